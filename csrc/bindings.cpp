@@ -1,0 +1,24 @@
+// The one binding file of flcomm._C. Bindings only bind: declarations are in ops.h (and the
+// headers it names), implementations in their own source files.
+#include "ops.h"
+
+// ---- torch operators: schemas here, implementations per device in their own files ----
+TORCH_LIBRARY(flcomm, m) {
+  // [quantization kernels]
+  // [reorder kernels]
+}
+
+// ---- pybind11 module ----
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "flcomm native core: CPU/CUDA kernels (torch.ops.flcomm.*) and the NCCL communicator";
+
+  // build information
+  m.def("compiled_with_cuda", &flcomm::compiled_with_cuda);
+  m.def("compiled_with_nccl", &flcomm::compiled_with_nccl);
+  m.def("cuda_archs", &flcomm::cuda_archs);
+  m.def("nccl_version_compiled", &flcomm::nccl_version_compiled);
+  m.def("nccl_version_loaded", &flcomm::nccl_version_loaded);
+  m.def("cuda_runtime_version", &flcomm::cuda_runtime_version);
+
+  // [nccl communicator]
+}

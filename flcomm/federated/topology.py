@@ -1,0 +1,287 @@
+"""Federation topology: which rank is in which federation group, replica, shard and node.
+
+World of P ranks on P / L nodes (L ranks per node), split into F federation groups of G ranks.
+Inside a group: FSDP over G ranks (S = G), or HSDP with R = G / S replicas of S-way shards
+(normally S = L, one node per shard group). Across groups, ranks with the same
+(replica, shard) coordinates average their shards ("fed" dim). Mesh dims:
+("fed", "replicate", "shard") of shape (F, R, S). F = 1 is plain FSDP/HSDP.
+
+Groups are contiguous rank blocks (group = rank // G), as in the paper's code, unless
+``node_groups`` assigns whole nodes to groups explicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from flcomm.comm.base import DEFAULT_TIMEOUT, CommStats, LinkTier
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from flcomm.comm.torch_pg import TorchTransport
+
+MESH_DIMS = ("fed", "replicate", "shard")
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    rank: int
+    node: int          # rank // ranks_per_node
+    local_rank: int    # rank % ranks_per_node
+    group: int         # federation group f
+    index: int         # position inside the group, replica * S + shard
+    replica: int       # r in [0, R)
+    shard: int         # s in [0, S)
+
+
+def _positive(name: str, v: object) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Federation topology of a world of ``world_size`` ranks.
+
+    Args:
+        world_size: P, all ranks.
+        ranks_per_node: L, ranks (GPUs) per node; must divide P.
+        group_size: G, ranks per federation group (default P: one group, no federation).
+        shard_size: S, ranks per shard group inside a federation group (default G: FSDP;
+            S < G: HSDP with R = G / S replicas).
+        node_groups: optional explicit assignment: ``node_groups[f]`` lists the nodes of group f
+            (each node exactly once, G / L nodes per group). Default: contiguous blocks.
+    """
+
+    world_size: int
+    ranks_per_node: int
+    group_size: int | None = None
+    shard_size: int | None = None
+    node_groups: tuple[tuple[int, ...], ...] | None = None
+    _group_ranks: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        P = _positive("world_size", self.world_size)
+        L = _positive("ranks_per_node", self.ranks_per_node)
+        G = _positive("group_size", self.group_size if self.group_size is not None else P)
+        S = _positive("shard_size", self.shard_size if self.shard_size is not None else G)
+        object.__setattr__(self, "group_size", G)
+        object.__setattr__(self, "shard_size", S)
+        if P % L:
+            raise ValueError(f"world_size {P} is not a whole number of nodes of ranks_per_node {L}")
+        if P % G:
+            raise ValueError(f"group_size {G} does not divide world_size {P} into federation groups")
+        if G % S:
+            raise ValueError(f"shard_size {S} does not divide group_size {G} into replicas")
+        for name, v in (("group_size", G), ("shard_size", S)):
+            if v % L and L % v:
+                raise ValueError(f"{name} {v} must be a multiple or a divisor of ranks_per_node {L} "
+                                 "(a group or shard must not split a node unevenly)")
+        if self.node_groups is None:
+            groups = tuple(tuple(range(f * G, (f + 1) * G)) for f in range(P // G))
+        else:
+            groups = self._explicit_groups(P, L, G)
+        object.__setattr__(self, "_group_ranks", groups)
+
+    def _explicit_groups(self, P: int, L: int, G: int) -> tuple[tuple[int, ...], ...]:
+        ng = tuple(tuple(int(n) for n in g) for g in self.node_groups)
+        object.__setattr__(self, "node_groups", ng)
+        if G % L:
+            raise ValueError(f"node_groups needs groups of whole nodes: group_size {G} is not a "
+                             f"multiple of ranks_per_node {L}")
+        if len(ng) != P // G:
+            raise ValueError(f"node_groups must list {P // G} groups, got {len(ng)}")
+        nodes = sorted(n for g in ng for n in g)
+        if nodes != list(range(P // L)):
+            raise ValueError(f"node_groups must name every node 0..{P // L - 1} exactly once, got {ng}")
+        for f, g in enumerate(ng):
+            if len(g) != G // L:
+                raise ValueError(f"node_groups[{f}] must list {G // L} nodes, got {len(g)}: {g}")
+        return tuple(tuple(n * L + i for n in g for i in range(L)) for g in ng)
+
+    # ---- factories for the four strategies ----
+    @classmethod
+    def fsdp(cls, world_size: int, ranks_per_node: int) -> "Topology":
+        return cls(world_size, ranks_per_node)
+
+    @classmethod
+    def hsdp(cls, world_size: int, ranks_per_node: int, shard_size: int | None = None) -> "Topology":
+        return cls(world_size, ranks_per_node, shard_size=shard_size or ranks_per_node)
+
+    @classmethod
+    def fl_fsdp(cls, world_size: int, ranks_per_node: int, group_size: int) -> "Topology":
+        return cls(world_size, ranks_per_node, group_size=group_size)
+
+    @classmethod
+    def fl_hsdp(cls, world_size: int, ranks_per_node: int, group_size: int,
+                shard_size: int | None = None) -> "Topology":
+        return cls(world_size, ranks_per_node, group_size=group_size,
+                   shard_size=shard_size or min(ranks_per_node, group_size))
+
+    # ---- sizes ----
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def num_groups(self) -> int:  # F
+        return self.world_size // self.group_size
+
+    @property
+    def num_replicas(self) -> int:  # R
+        return self.group_size // self.shard_size
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        return (self.num_groups, self.num_replicas, self.shard_size)
+
+    @property
+    def federated(self) -> bool:
+        return self.num_groups > 1
+
+    @property
+    def hybrid(self) -> bool:
+        return self.num_replicas > 1
+
+    # ---- coordinates ----
+    def group_ranks(self, f: int) -> tuple[int, ...]:
+        return self._group_ranks[f]
+
+    def mesh(self) -> list[list[list[int]]]:
+        """mesh[f][r][s] = global rank."""
+        S = self.shard_size
+        return [[list(g[r * S:(r + 1) * S]) for r in range(self.num_replicas)] for g in self._group_ranks]
+
+    def coords(self, rank: int) -> RankCoords:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        for f, g in enumerate(self._group_ranks):
+            if rank in g:
+                i = g.index(rank)
+                return RankCoords(rank, rank // self.ranks_per_node, rank % self.ranks_per_node, f, i,
+                                  i // self.shard_size, i % self.shard_size)
+        raise AssertionError("unreachable: groups partition the world")
+
+    def dim_groups(self, dim: str) -> list[list[int]]:
+        """Every process group of mesh dim ``dim`` ("fed", "replicate", "shard", or "group":
+        all ranks of a federation group), each as a list of global ranks; they partition the
+        world."""
+        m = self.mesh()
+        F, R, S = self.mesh_shape
+        if dim == "shard":
+            return [m[f][r] for f in range(F) for r in range(R)]
+        if dim == "replicate":
+            return [[m[f][r][s] for r in range(R)] for f in range(F) for s in range(S)]
+        if dim == "fed":
+            return [[m[f][r][s] for f in range(F)] for r in range(R) for s in range(S)]
+        if dim == "group":
+            return [list(g) for g in self._group_ranks]
+        raise ValueError(f"dim must be one of fed, replicate, shard, group; got {dim!r}")
+
+    def tier(self, ranks: Sequence[int], dim: str | None = None) -> LinkTier:
+        """The slowest links a collective over ``ranks`` crosses."""
+        if dim == "fed" and self.federated:
+            return LinkTier.INTER_GROUP
+        nodes = {r // self.ranks_per_node for r in ranks}
+        return LinkTier.INTRA_NODE if len(nodes) == 1 else LinkTier.INTER_NODE
+
+    def node_split(self, ranks: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """Split an ordered rank list into its two hierarchical stages.
+
+        Returns ``(intra, inter)``: ``intra[n]`` the ranks of the list on its n-th node, and
+        ``inter[i]`` the ranks with local position i on every node. Needs the same number of
+        ranks on every node, and the list ordered node by node.
+        """
+        L = self.ranks_per_node
+        by_node: dict[int, list[int]] = {}
+        for r in ranks:
+            by_node.setdefault(r // L, []).append(r)
+        intra = list(by_node.values())
+        flat = [r for g in intra for r in g]
+        if flat != list(ranks):
+            raise ValueError(f"ranks must be ordered node by node for a hierarchical split, got {list(ranks)}")
+        counts = {len(g) for g in intra}
+        if len(counts) != 1:
+            raise ValueError(f"hierarchical split needs the same number of ranks on every node, got "
+                             f"{ {n: len(g) for n, g in by_node.items()} }")
+        k = counts.pop()
+        inter = [[g[i] for g in intra] for i in range(k)]
+        return intra, inter
+
+    def build(self, device_type: str = "cpu", stats: CommStats | None = None,
+              timeout: timedelta = DEFAULT_TIMEOUT, hierarchical: bool = True) -> "FedMesh":
+        """Create the DeviceMesh and the process groups (collective: every rank calls it)."""
+        return FedMesh(self, device_type, stats, timeout, hierarchical)
+
+
+class FedMesh:
+    """A rank's view of a :class:`Topology` once torch.distributed is initialized: the
+    DeviceMesh ("fed", "replicate", "shard"), the process groups of each tier, and transports on
+    them sharing one :class:`CommStats`.
+
+    Groups (all ranks create all of them, in the same order):
+      ``shard``, ``replicate``, ``fed``, ``group`` (all G ranks of my federation group), and for
+      the hierarchical collectives of the shard dim, ``shard_intra`` (my shard group's ranks on
+      my node) and ``shard_inter`` (my shard group's ranks with my local position on the
+      other nodes); the same for ``group_intra`` / ``group_inter``.
+    """
+
+    def __init__(self, topo: Topology, device_type: str, stats: CommStats | None,
+                 timeout: timedelta, hierarchical: bool) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not dist.is_initialized():
+            raise RuntimeError("Topology.build needs torch.distributed to be initialized first")
+        if dist.get_world_size() != topo.world_size:
+            raise ValueError(f"topology is for world_size {topo.world_size}, but torch.distributed "
+                             f"has {dist.get_world_size()} ranks")
+        self.topology = topo
+        self.rank = dist.get_rank()
+        self.coords = topo.coords(self.rank)
+        self.stats = stats if stats is not None else CommStats()
+        self.timeout = timeout
+        self.device_mesh: DeviceMesh = DeviceMesh(device_type, torch.tensor(topo.mesh(), dtype=torch.int),
+                                                  mesh_dim_names=MESH_DIMS)
+        self.groups: dict[str, dist.ProcessGroup] = {d: self.device_mesh.get_group(d) for d in MESH_DIMS}
+        self.group_ranks: dict[str, list[int]] = {}
+        for d in MESH_DIMS:
+            self.group_ranks[d] = next(g for g in topo.dim_groups(d) if self.rank in g)
+        self.groups["group"] = self._new_groups(topo.dim_groups("group"), "group")
+        if hierarchical:
+            for base in ("shard", "group"):
+                intra_all, inter_all = [], []
+                for ranks in topo.dim_groups(base):
+                    intra, inter = topo.node_split(ranks)
+                    intra_all += intra
+                    inter_all += inter
+                self.groups[f"{base}_intra"] = self._new_groups(intra_all, f"{base}_intra")
+                self.groups[f"{base}_inter"] = self._new_groups(inter_all, f"{base}_inter")
+
+    def _new_groups(self, lists: list[list[int]], name: str):
+        import torch.distributed as dist
+
+        mine = None
+        for ranks in lists:  # NOTE: every rank must create every group, in the same order
+            g = dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=False)
+            if self.rank in ranks:
+                mine, self.group_ranks[name] = g, list(ranks)
+        return mine
+
+    def tier(self, name: str) -> LinkTier:
+        return self.topology.tier(self.group_ranks[name], "fed" if name == "fed" else None)
+
+    def transport(self, name: str) -> "TorchTransport":
+        """A TorchTransport on group ``name``, counting into this mesh's shared stats."""
+        from flcomm.comm.torch_pg import TorchTransport
+
+        if name not in self.groups:
+            raise KeyError(f"no process group {name!r}; have {sorted(self.groups)}")
+        return TorchTransport(self.groups[name], self.tier(name), self.stats, self.timeout)

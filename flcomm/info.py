@@ -1,0 +1,78 @@
+"""What this flcomm was built with and what this machine offers (``python -m flcomm info``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flcomm import _native
+
+
+def _fmt_nccl(code: int) -> str | None:
+    if not code:
+        return None
+    # NCCL_VERSION_CODE = major*10000 + minor*100 + patch (since 2.9)
+    return f"{code // 10000}.{(code // 100) % 100}.{code % 100}"
+
+
+def build_info() -> dict[str, Any]:
+    """A dict: versions, native kernels, CUDA/NCCL compiled in and loaded, GPUs visible."""
+    import torch
+
+    from flcomm import __version__
+
+    info: dict[str, Any] = {
+        "flcomm": __version__,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "native": _native.available(),
+        "native_error": _native.unavailable_reason(),
+        "cpu_kernels": False,
+        "cuda_compiled": False,
+        "cuda_archs": [],
+        "nccl_compiled": None,
+        "nccl_loaded": None,
+        "cuda_runtime": None,
+        "gpus": 0,
+        "torch_nccl": None,
+    }
+    try:
+        info["gpus"] = torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no driver: zero GPUs
+        info["gpus"] = 0
+    try:
+        v = torch.cuda.nccl.version()
+        info["torch_nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    except Exception:  # noqa: BLE001 - CPU build of torch
+        pass
+    if not info["native"]:
+        return info
+    C = _native.native()
+    import torch as _t
+
+    info["cpu_kernels"] = sorted(
+        name for name in dir(_t.ops.flcomm) if not name.startswith("_") and name not in ("name", "op")
+    )
+    info["cuda_compiled"] = bool(C.compiled_with_cuda())
+    info["cuda_archs"] = [f"sm_{a}" for a in C.cuda_archs().split("_") if a]
+    info["nccl_compiled"] = _fmt_nccl(C.nccl_version_compiled())
+    if C.compiled_with_nccl():
+        try:
+            info["nccl_loaded"] = _fmt_nccl(C.nccl_version_loaded())
+        except RuntimeError as e:
+            info["nccl_loaded"] = f"error: {e}"
+    if info["cuda_compiled"]:
+        try:
+            info["cuda_runtime"] = C.cuda_runtime_version()
+        except RuntimeError as e:
+            info["cuda_runtime"] = f"error: {e}"
+    return info
+
+
+def format_info(info: dict[str, Any]) -> str:
+    width = max(len(k) for k in info)
+    lines = []
+    for k, v in info.items():
+        if isinstance(v, list):
+            v = ", ".join(map(str, v)) if v else "(none)"
+        lines.append(f"{k:<{width}}  {v}")
+    return "\n".join(lines)
