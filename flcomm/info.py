@@ -14,6 +14,18 @@ def _fmt_nccl(code: int) -> str | None:
     return f"{code // 10000}.{(code // 100) % 100}.{code % 100}"
 
 
+def native_kernels() -> dict[str, list[str]]:
+    """``{op name: [dispatch keys with an implementation]}`` for every ``flcomm::`` operator."""
+    import torch
+
+    _native.native()
+    out = {}
+    for name in sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("flcomm::")):
+        dump = torch._C._dispatch_dump(name)
+        out[name.split("::", 1)[1]] = [k for k in ("CPU", "CUDA") if f"\n{k}: registered" in dump]
+    return out
+
+
 def build_info() -> dict[str, Any]:
     """A dict: versions, native kernels, CUDA/NCCL compiled in and loaded, GPUs visible."""
     import torch
@@ -26,7 +38,8 @@ def build_info() -> dict[str, Any]:
         "torch_cuda": torch.version.cuda,
         "native": _native.available(),
         "native_error": _native.unavailable_reason(),
-        "cpu_kernels": False,
+        "cpu_kernels": [],
+        "cuda_kernels": [],
         "cuda_compiled": False,
         "cuda_archs": [],
         "nccl_compiled": None,
@@ -47,11 +60,8 @@ def build_info() -> dict[str, Any]:
     if not info["native"]:
         return info
     C = _native.native()
-    import torch as _t
-
-    info["cpu_kernels"] = sorted(
-        name for name in dir(_t.ops.flcomm) if not name.startswith("_") and name not in ("name", "op")
-    )
+    info["cpu_kernels"] = [n for n, devs in native_kernels().items() if "CPU" in devs]
+    info["cuda_kernels"] = [n for n, devs in native_kernels().items() if "CUDA" in devs]
     info["cuda_compiled"] = bool(C.compiled_with_cuda())
     info["cuda_archs"] = [f"sm_{a}" for a in C.cuda_archs().split("_") if a]
     info["nccl_compiled"] = _fmt_nccl(C.nccl_version_compiled())
