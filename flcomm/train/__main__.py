@@ -1,0 +1,157 @@
+"""Command line of the reference training driver.
+
+    python -m flcomm.train --strategy fl-fsdp --nproc 4 --ranks-per-node 2 --group-size 2 \\
+        --sync-every 8 --steps 200 --metrics runs/fl.jsonl           # N local CPU processes
+    torchrun --nproc-per-node 8 --nnodes 4 ... -m flcomm.train --strategy fl-hsdp \\
+        --backend nccl --model llama3.1-8b --mixed-precision bf16   # a GPU cluster
+    python -m flcomm.train compare                                 # FSDP vs FL+FSDP, table + PNG
+    python -m flcomm.train plot runs/*.jsonl --out loss.png
+
+Also installed as the console script ``flcomm-train``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from flcomm.train.driver import INNER_STATES, OUTERS, STRATEGIES, TrainConfig, known_codecs
+from flcomm.train.model import PRESETS
+
+_SUBCOMMANDS = ("train", "compare", "plot")
+
+
+def _add_common(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """Flags shared by ``train`` and ``compare`` (defaults from ``d``)."""
+    g = p.add_argument_group("topology")
+    g.add_argument("--nproc", type=int, default=None,
+                   help="launch N local CPU processes with gloo (default: torchrun's env, else 1)")
+    g.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node,
+                   help="L, ranks per (emulated) node (default: LOCAL_WORLD_SIZE or the world)")
+    g.add_argument("--group-size", type=int, default=d.group_size,
+                   help="G, ranks per federation group (fl-*; default: one node)")
+    g.add_argument("--shard-size", type=int, default=d.shard_size,
+                   help="S, ranks per shard group (hsdp / fl-hsdp; default: one node)")
+    f = p.add_argument_group("FedAvg (fl-fsdp, fl-hsdp)")
+    f.add_argument("--sync-every", type=int, default=d.sync_every, help="E, local steps between syncs")
+    f.add_argument("--codec", default=d.codec, help=f"wire codec: {', '.join(known_codecs())}")
+    f.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=d.error_feedback)
+    f.add_argument("--outer", default=d.outer, help=f"outer update: {', '.join(OUTERS)}")
+    f.add_argument("--outer-lr", type=float, default=d.outer_lr)
+    f.add_argument("--outer-momentum", type=float, default=d.outer_momentum)
+    f.add_argument("--inner-state", default=d.inner_state, help=f"{', '.join(INNER_STATES)}")
+    f.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=d.overlap,
+                   help="apply the exchange one step later, overlapped with compute")
+    f.add_argument("--bucket-mb", type=float, default=d.bucket_mb)
+    m = p.add_argument_group("model and optimization")
+    m.add_argument("--model", default=d.model, help=f"preset: {', '.join(PRESETS)}")
+    m.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    m.add_argument("--init", default=d.init, help="auto | full | meta (meta: build sharded, no full copy)")
+    m.add_argument("--mixed-precision", default=d.mixed_precision, help="none | bf16")
+    m.add_argument("--steps", type=int, default=d.steps)
+    m.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank per step")
+    m.add_argument("--seq-len", type=int, default=d.seq_len)
+    m.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
+    m.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr (cosine)")
+    m.add_argument("--warmup", type=int, default=d.warmup, help="warm-up steps (default: steps/10, <= 100)")
+    m.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    m.add_argument("--grad-clip", type=float, default=d.grad_clip, help="0: off")
+    m.add_argument("--seed", type=int, default=d.seed)
+    a = p.add_argument_group("data and evaluation")
+    a.add_argument("--data", default=d.data,
+                   help="text file (byte level), .npy or .bin token ids (default: built-in corpus)")
+    a.add_argument("--data-dtype", default=d.data_dtype, help="element type of a .bin file (uint16)")
+    a.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    a.add_argument("--eval-fraction", type=float, default=d.eval_fraction)
+    a.add_argument("--eval-every", type=int, default=d.eval_every, help="0: only at the end")
+    a.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    r = p.add_argument_group("runtime")
+    r.add_argument("--backend", default=d.backend, help="auto | gloo | nccl")
+    r.add_argument("--timeout-s", type=float, default=d.timeout_s, help="collective timeout")
+    r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=d.progress)
+
+
+def _config(args: argparse.Namespace, **over: object) -> TrainConfig:
+    names = set(TrainConfig.field_names())
+    kw = {k: v for k, v in vars(args).items() if k in names}
+    kw.update(over)
+    return TrainConfig(**kw)
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    d = TrainConfig()
+    p = argparse.ArgumentParser(prog="python -m flcomm.train",
+                                description="Train the reference Llama-style model with FSDP, HSDP, "
+                                            "FL+FSDP or FL+HSDP. Subcommands: compare, plot.")
+    p.add_argument("--strategy", default=d.strategy, help=f"{' | '.join(STRATEGIES)}")
+    _add_common(p, d)
+    o = p.add_argument_group("output")
+    o.add_argument("--metrics", default=None, help="JSONL file of per-step metrics")
+    o.add_argument("--checkpoint-dir", default=None)
+    o.add_argument("--save-every", type=int, default=0, help="0: only at the end")
+    o.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+    o.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    return p
+
+
+def cmd_train(argv: Sequence[str]) -> int:
+    from flcomm.train.driver import launch_local, worker_main
+
+    args = _train_parser().parse_args(argv)
+    cfg = _config(args)
+    if args.nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        worker_main(cfg)  # under torchrun
+    else:
+        launch_local(cfg, args.nproc or 1)
+    return 0
+
+
+def cmd_plot(argv: Sequence[str]) -> int:
+    from flcomm.train.plot import plot_runs
+
+    p = argparse.ArgumentParser(prog="python -m flcomm.train plot",
+                                description="Loss against wall time and tokens for several runs (PNG).")
+    p.add_argument("metrics", nargs="+", help="metrics JSONL files")
+    p.add_argument("--out", required=True, help="PNG to write")
+    p.add_argument("--labels", nargs="*", default=None)
+    p.add_argument("--title", default=None)
+    args = p.parse_args(argv)
+    print(plot_runs(args.metrics, args.out, args.labels, args.title))
+    return 0
+
+
+def cmd_compare(argv: Sequence[str]) -> int:
+    from flcomm.train.compare import COMPARE_DEFAULTS, run_compare
+
+    d = TrainConfig(**{k: v for k, v in COMPARE_DEFAULTS.items() if k in TrainConfig.field_names()})
+    p = argparse.ArgumentParser(prog="python -m flcomm.train compare",
+                                description="FSDP and FL+FSDP side by side: same model, data, "
+                                            "hyper-parameters and token budget; a table and a PNG.")
+    p.add_argument("--strategies", default=COMPARE_DEFAULTS["strategies"],
+                   help="comma-separated strategies to run, in order")
+    p.add_argument("--out-dir", default=COMPARE_DEFAULTS["out_dir"], help="metrics and plot go here")
+    _add_common(p, d)
+    p.set_defaults(nproc=COMPARE_DEFAULTS["nproc"])
+    args = p.parse_args(argv)
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    base = _config(args)
+    run_compare(base, strategies, args.nproc, args.out_dir)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = argv[0] if argv and argv[0] in _SUBCOMMANDS else "train"
+    if argv and argv[0] in _SUBCOMMANDS:
+        argv = argv[1:]
+    try:
+        return {"train": cmd_train, "compare": cmd_compare, "plot": cmd_plot}[cmd](argv)
+    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:
+        print(f"flcomm.train: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

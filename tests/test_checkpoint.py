@@ -1,0 +1,124 @@
+"""Checkpoints: a resumed FL+FSDP run continues exactly as the uninterrupted one (same losses,
+same parameters, FedAvg state and data position included, resumed mid-round); a crash inside
+a save leaves the previous checkpoint loadable; a checkpoint of another topology or model is
+refused with both named."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from flcomm.train import checkpoint as ckpt
+from flcomm.train.driver import TrainConfig, check_before_launch
+from tests.dist import run_distributed
+
+BASE = dict(strategy="fl-fsdp", ranks_per_node=2, sync_every=2, model="tiny", steps=6, batch_size=2,
+            seq_len=32, lr=3e-3, warmup=1, eval_batches=1, eval_fraction=0.05, max_tokens=300_000,
+            progress=False, seed=0)
+
+
+class InjectedCrash(RuntimeError):
+    pass
+
+
+def crash_on_step_8(tmp_dir: str) -> None:
+    """Simulates a node dying during the save of step 8, after its files were written."""
+    if tmp_dir.rstrip("/").endswith("step_00000008"):
+        assert os.listdir(tmp_dir), "the fault should come after partial writes"
+        raise InjectedCrash("injected crash during save")
+
+
+def _scenario(rank: int, world: int, root: str) -> dict:
+    from flcomm.train.driver import train
+
+    a_dir, b_dir = os.path.join(root, "a"), os.path.join(root, "b")
+    out: dict = {}
+    # A: uninterrupted, saving at steps 3 (mid FedAvg round: E = 2) and 6
+    a = train(TrainConfig(**BASE, checkpoint_dir=a_dir, save_every=3), return_params=True)
+    out["a_losses"], out["a_params"] = a.losses, a.params
+    # B: stopped after step 3, then resumed to 6
+    train(TrainConfig(**BASE, checkpoint_dir=b_dir, save_every=3), stop_after=3)
+    b = train(TrainConfig(**BASE, checkpoint_dir=b_dir, save_every=3, resume=True), return_params=True)
+    out["b_start"], out["b_losses"], out["b_params"] = b.start_step, b.losses, b.params
+    # C: continue B to step 8; the save of step 8 crashes after writing its files
+    cfg8 = TrainConfig(**{**BASE, "steps": 8}, checkpoint_dir=b_dir, save_every=2, resume=True)
+    try:
+        train(cfg8, _save_fault=crash_on_step_8)
+        out["crashed"] = False
+    except InjectedCrash:
+        out["crashed"] = True
+    out["latest_after_crash"] = ckpt.latest_checkpoint(b_dir)
+    out["listing_after_crash"] = sorted(os.listdir(b_dir))
+    # D: the previous checkpoint (step 6) still loads and holds A's step-6 model
+    d = train(TrainConfig(**BASE, checkpoint_dir=b_dir, resume=True), return_params=True)
+    out["d_start"], out["d_params"] = d.start_step, d.params
+    # E: the next complete save replaces the stale temporary directory
+    train(cfg8)
+    out["latest_final"] = ckpt.latest_checkpoint(b_dir)
+    out["listing_final"] = sorted(os.listdir(b_dir))
+    return out
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    return run_distributed(_scenario, 4, root, timeout=300), root
+
+
+def test_resume_equals_uninterrupted(scenario):
+    results, _ = scenario
+    for r, out in enumerate(results):
+        assert out["b_start"] == 3
+        assert len(out["a_losses"]) == 6 and len(out["b_losses"]) == 3
+        assert out["b_losses"] == out["a_losses"][3:], f"rank {r}"
+        for n, p in out["a_params"].items():
+            assert torch.equal(p, out["b_params"][n]), f"rank {r}: {n}"
+
+
+def test_crash_during_save_leaves_last_checkpoint_loadable(scenario):
+    results, root = scenario
+    b_dir = os.path.join(root, "b")
+    for out in results:
+        assert out["crashed"]
+        assert out["latest_after_crash"] == os.path.join(b_dir, "step_00000006")
+        assert ".tmp-step_00000008" in out["listing_after_crash"]
+        assert "step_00000008" not in out["listing_after_crash"]
+        assert out["d_start"] == 6
+        for n, p in out["a_params"].items():
+            assert torch.equal(p, out["d_params"][n]), n
+        assert out["latest_final"] == os.path.join(b_dir, "step_00000008")
+        assert ".tmp-step_00000008" not in out["listing_final"]
+        # keep_checkpoints = 2: the two newest complete ones
+        assert [d for d in out["listing_final"] if d.startswith("step_")] == ["step_00000006", "step_00000008"]
+    meta = ckpt.read_meta(os.path.join(b_dir, "step_00000008"))
+    assert meta["step"] == 8 and meta["strategy"] == "fl-fsdp"
+    assert meta["topology"] == {"world_size": 4, "ranks_per_node": 2, "group_size": 2, "shard_size": 2}
+
+
+def test_checkpoint_from_another_topology_or_model_is_refused(scenario):
+    _, root = scenario
+    a_dir = os.path.join(root, "a")
+    with pytest.raises(ValueError, match=r"another topology \(world_size=4, ranks_per_node=2, group_size=2, "
+                                         r"shard_size=2\), but this run has \(world_size=4, ranks_per_node=2, "
+                                         r"group_size=4, shard_size=4\)"):
+        check_before_launch(TrainConfig(strategy="fsdp", ranks_per_node=2, checkpoint_dir=a_dir, resume=True), 4)
+    with pytest.raises(ValueError, match="world_size=8"):
+        check_before_launch(TrainConfig(**{**BASE, "ranks_per_node": 2}, checkpoint_dir=a_dir, resume=True), 8)
+    with pytest.raises(ValueError, match="another model shape.*dim"):
+        check_before_launch(TrainConfig(**{**BASE, "model": "small"}, checkpoint_dir=a_dir, resume=True), 4)
+    # the same topology is accepted
+    check_before_launch(TrainConfig(**BASE, checkpoint_dir=a_dir, resume=True), 4)
+
+
+def test_latest_pointer_errors(tmp_path):
+    assert ckpt.latest_checkpoint(str(tmp_path)) is None
+    (tmp_path / "latest").write_text("step_00000001\n")
+    with pytest.raises(RuntimeError, match="not a complete checkpoint"):
+        ckpt.latest_checkpoint(str(tmp_path))
+    os.makedirs(tmp_path / "step_00000001")
+    (tmp_path / "step_00000001" / "meta.json").write_text(json.dumps({"format": 99}))
+    with pytest.raises(ValueError, match="format 99"):
+        ckpt.check_compatible(ckpt.read_meta(str(tmp_path / "step_00000001")), None, {}, "x")
