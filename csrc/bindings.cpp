@@ -6,6 +6,9 @@
 TORCH_LIBRARY(flcomm, m) {
   // [quantization kernels]
   // [reorder kernels]
+  // reorder.cpp / reorder_cuda.cu: view input as [rows, cols, chunk], write [cols, rows, chunk]
+  m.def("shard_transpose(Tensor input, int rows, int cols) -> Tensor");
+  m.def("shard_transpose_out(Tensor input, int rows, int cols, Tensor(a!) out) -> Tensor(a!)");
 }
 
 // ---- pybind11 module ----

@@ -1,0 +1,239 @@
+"""Collective bandwidth in the nccl-tests format: reduce-scatter, all-gather and all-reduce,
+flat vs hierarchical (intra-node stage, then inter-node stage), plus the compressed two-hop
+all-reduce, over a size sweep.
+
+For each transport (``torch``: torch.distributed process groups; ``native``: flcomm's NCCL
+communicator), collective and size:
+
+  1. fill the input with small integers (rank-dependent), so every sum is exact in any dtype
+     and ``error`` is the max |result - exact| computed locally (0 for a correct collective);
+  2. ``flat``: the transport's collective over all ranks; ``hierarchical``: the intra-node /
+     inter-node composition of ``flcomm.collectives.hierarchical`` over the emulated nodes
+     (``--ranks-per-node``); the all-reduce is the hierarchical reduce-scatter + all-gather;
+  3. ``two-hop-<codec>`` (all-reduce only, fp32, from ``--codecs``): the compressed all-reduce on
+     normal random data; ``error`` is the max difference from the exact fp32 all-reduce;
+  4. time: warm-up, then ``--iters`` calls; the slowest rank's mean. ``algbw`` = size / time,
+     ``busbw`` = algbw x the nccl-tests factor (all-reduce 2(n-1)/n, the others (n-1)/n, size
+     = the whole array), ``wire`` = the bytes one rank actually sent (all tiers) / time.
+
+Usage::
+
+    # locally: 4 spawned gloo ranks as 2 emulated nodes x 2 ranks
+    python bench/collectives.py --nproc 4 --ranks-per-node 2 -b 4K -e 16M -f 4 --json coll.json
+    # only some rows; several codecs for the compressed all-reduce (none: skip them)
+    python bench/collectives.py --nproc 8 --ranks-per-node 4 --collectives all_reduce --codecs int8 bf16
+    # a GPU cluster, NCCL: the torch.distributed and the native transport side by side
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        bench/collectives.py --transport torch native -b 1M -e 1G -f 4 --json coll.json
+
+The output table has one row per (collective, algo, size); ``--json PATH`` writes the same rows
+as a list of records (``bench/common.py`` :class:`Record`: collective, algo, transport, world,
+size_bytes, dtype, time_us, algbw_gbps, busbw_gbps, wire_bytes, max_err, ...). The last lines
+compare hierarchical to flat busbw per collective at the largest size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.common import (DTYPES, HEADER, Env, Record, add_common_args, format_row, launch,  # noqa: E402
+                          make_record, max_over_ranks, size_sweep, time_op, write_json)
+
+COLLECTIVES = ("reduce_scatter", "all_gather", "all_reduce")
+
+
+def _default_codecs() -> list[str]:
+    try:
+        import flcomm.collectives.compressed  # noqa: F401
+    except ImportError:
+        return []
+    return ["int8"]
+
+
+def make_transports(name: str, env: Env, mesh, stats) -> dict[str, object]:
+    """{"flat", "intra", "inter"} transports of kind ``name`` on the mesh's shard groups."""
+    groups = {"flat": "shard", "intra": "shard_intra", "inter": "shard_inter"}
+    if name == "torch":
+        from flcomm.comm.torch_pg import TorchTransport
+
+        return {k: TorchTransport(mesh.groups[g], mesh.tier(g), stats, env.timeout) for k, g in groups.items()}
+    if name == "native":
+        try:
+            from flcomm.comm.nccl import NcclTransport, nccl_available
+        except ImportError as e:
+            raise SystemExit(f"--transport native: flcomm.comm.nccl cannot be imported ({e})") from e
+        ok, reason = nccl_available()
+        if not ok:
+            raise SystemExit(f"--transport native is unavailable here: {reason}")
+        if env.device.type != "cuda":
+            raise SystemExit("--transport native needs GPUs (run under torchrun with the nccl backend)")
+        return {k: NcclTransport.from_group(mesh.groups[g], mesh.tier(g), stats, env.timeout)
+                for k, g in groups.items()}
+    raise SystemExit(f"--transport must be torch or native, got {name!r}")
+
+
+def _pattern(n: int, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Small integers (0..12 + rank % 4): sums over up to thousands of ranks stay exact."""
+    return ((torch.arange(n, device=device) + 7 * rank) % 13 + rank % 4).to(dtype)
+
+
+def _exact(n: int, world: int, device: torch.device, op: str) -> torch.Tensor:
+    """The exact reduction (sum or max) of every rank's pattern, in float64."""
+    acc = _pattern(n, 0, torch.float64, device)
+    for r in range(1, world):
+        x = _pattern(n, r, torch.float64, device)
+        acc = torch.maximum(acc, x) if op == "max" else acc + x
+    return acc
+
+
+def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.to(torch.float64) - want.to(torch.float64)).abs().max().item()) if got.numel() else 0.0
+
+
+def run(env: Env, args: argparse.Namespace) -> None:
+    from flcomm.collectives.hierarchical import Hierarchy
+    from flcomm.comm.base import CommStats, LinkTier
+    from flcomm.federated.topology import Topology
+
+    dtype = DTYPES[args.dtype]
+    esize = torch.tensor([], dtype=dtype).element_size()
+    P, L = env.world, env.ranks_per_node
+    mesh = Topology.fsdp(P, L).build(device_type=env.device.type, timeout=env.timeout)
+    dev = env.device
+    records: list[Record] = []
+    say = print if env.rank == 0 else (lambda *a, **k: None)
+    say(f"# flcomm collectives: {P} ranks = {P // L} nodes x {L}, backend {env.backend}, device {dev}, "
+        f"dtype {args.dtype}, redop {args.op}, warmup {args.warmup}, iters {args.iters}")
+
+    for tname in args.transport:
+        stats = CommStats()
+        tr = make_transports(tname, env, mesh, stats)
+        hier = Hierarchy(tr["intra"], tr["inter"])
+        flat = tr["flat"]
+        say(f"#\n# transport {tname}\n{HEADER}")
+
+        def measure(collective: str, algo: str, nbytes: int, fn, err: float, **extra) -> None:
+            stats.reset()
+            fn()  # one call, counted
+            wire = stats.bytes(LinkTier.INTRA_NODE) + stats.bytes(LinkTier.INTER_NODE) + stats.bytes(LinkTier.INTER_GROUP)
+            wire_inter = stats.bytes(LinkTier.INTER_NODE)
+            t = time_op(fn, env, args.warmup, args.iters)
+            rec = make_record(collective, algo, tname, env, nbytes, dtype if not algo.startswith("two-hop") else torch.float32,
+                              t, wire, wire_inter, max_over_ranks(err, env), args.op, **extra)
+            records.append(rec)
+            say(format_row(rec), flush=True)
+
+        for collective in args.collectives:
+            for size in size_sweep(args.min_bytes, args.max_bytes, args.step_factor):
+                count = (size // esize) // P * P
+                if count == 0:
+                    continue
+                nbytes, c = count * esize, count // P
+                if collective == "reduce_scatter":
+                    x = _pattern(count, env.rank, dtype, dev)
+                    want = _exact(count, P, dev, args.op)[env.rank * c:(env.rank + 1) * c]
+                    for algo in args.algos:
+                        out = torch.empty(c, dtype=dtype, device=dev)
+                        call = (lambda: flat.reduce_scatter(out, x, args.op)) if algo == "flat" else \
+                               (lambda: hier.reduce_scatter(out, x, args.op))
+                        call()
+                        measure(collective, algo, nbytes, call, _err(out, want))
+                elif collective == "all_gather":
+                    x = _pattern(c, env.rank, dtype, dev)
+                    want = torch.cat([_pattern(c, r, torch.float64, dev) for r in range(P)])
+                    for algo in args.algos:
+                        out = torch.empty(count, dtype=dtype, device=dev)
+                        call = (lambda: flat.all_gather(out, x)) if algo == "flat" else (lambda: hier.all_gather(out, x))
+                        call()
+                        measure(collective, algo, nbytes, call, _err(out, want))
+                else:
+                    want = _exact(count, P, dev, args.op)
+                    for algo in args.algos:
+                        buf = _pattern(count, env.rank, dtype, dev)
+                        call = (lambda: flat.all_reduce(buf, args.op)) if algo == "flat" else \
+                               (lambda: hier.all_reduce(buf, args.op))
+                        call()
+                        err = _err(buf, want)
+                        measure(collective, algo, nbytes, call, err)
+                    if dtype == torch.float32 and args.op == "sum":
+                        _compressed_rows(env, args, flat, count, measure)
+
+        _ratios(records, tname, say)
+    if env.rank == 0 and args.json:
+        write_json(args.json, records)
+        say(f"# wrote {len(records)} records to {args.json}")
+
+
+def _compressed_rows(env: Env, args: argparse.Namespace, flat, count: int, measure) -> None:
+    """two-hop-<codec> rows: compressed all-reduce of random normal fp32 data vs the exact one."""
+    if not args.codecs:
+        return
+    from flcomm.collectives.compressed import compressed_all_reduce
+
+    g = torch.Generator(device="cpu").manual_seed(1234 + env.rank)
+    data = torch.randn(count, generator=g).to(env.device)
+    exact = data.clone()
+    flat.all_reduce(exact, "sum")
+    for codec in args.codecs:
+        buf = data.clone()
+        compressed_all_reduce(flat, buf, codec, op="sum")
+        err = _err(buf, exact)
+        work = data.clone()
+        # NOTE: time on a scratch copy refreshed from `data` outside the timed call would add a
+        # copy to every iteration; the in-place growth of `work` does not change the cost.
+        measure("all_reduce", f"two-hop-{codec}", count * 4,
+                lambda: compressed_all_reduce(flat, work, codec, op="sum"), err, codec=codec)
+
+
+def _ratios(records: list[Record], tname: str, say) -> None:
+    for coll in COLLECTIVES:
+        rows = [r for r in records if r.transport == tname and r.collective == coll]
+        if not rows:
+            continue
+        top = max(r.size_bytes for r in rows)
+        by = {r.algo: r for r in rows if r.size_bytes == top}
+        if "flat" in by and "hierarchical" in by and by["flat"].busbw_gbps > 0:
+            f, h = by["flat"], by["hierarchical"]
+            say(f"# {tname} {coll} @ {top} B: busbw flat {f.busbw_gbps:.3f} GB/s, hierarchical "
+                f"{h.busbw_gbps:.3f} GB/s ({h.busbw_gbps / f.busbw_gbps:.2f}x); inter-node bytes per rank "
+                f"{f.wire_bytes_inter} -> {h.wire_bytes_inter}")
+        for algo, r in sorted(by.items()):
+            if algo.startswith("two-hop") and "flat" in by:
+                f = by["flat"]
+                say(f"# {tname} {algo} @ {top} B: wire bytes {r.wire_bytes / max(1, f.wire_bytes):.3f}x of fp32, "
+                    f"logical busbw {r.busbw_gbps / max(1e-12, f.busbw_gbps):.2f}x, max err {r.max_err:.2e}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--transport", nargs="+", choices=("torch", "native"), default=["torch"])
+    p.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES))
+    p.add_argument("--algos", nargs="+", choices=("flat", "hierarchical"), default=["flat", "hierarchical"])
+    p.add_argument("--codecs", nargs="*", default=None,
+                   help="codecs of the compressed all-reduce rows (default: int8 when available; none given: no rows)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--op", choices=("sum", "max"), default="sum")
+    args = p.parse_args(argv)
+    if args.codecs is None:
+        args.codecs = _default_codecs()
+    args.codecs = [c for c in args.codecs if c != "none"]
+    if "native" in args.transport:  # fail before starting any rank
+        try:
+            from flcomm.comm.nccl import nccl_available
+        except ImportError as e:
+            raise SystemExit(f"--transport native: flcomm.comm.nccl cannot be imported ({e})") from e
+        ok, reason = nccl_available()
+        if not ok:
+            raise SystemExit(f"--transport native is unavailable here: {reason}")
+    launch(args, run)
+
+
+if __name__ == "__main__":
+    main()
