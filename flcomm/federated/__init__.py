@@ -1,5 +1,6 @@
 """Federation: topology and meshes; the FedAvg synchronizer."""
 
 from flcomm.federated.topology import FedMesh, RankCoords, Topology
+from flcomm.federated.fedavg import FedAvg
 
-__all__ = ["FedMesh", "RankCoords", "Topology"]
+__all__ = ["FedAvg", "FedMesh", "RankCoords", "Topology"]

@@ -1,0 +1,96 @@
+"""Outer updates of the FedAvg synchronizer: how the anchor (the model at the last sync) moves
+given the delta averaged over the federation groups.
+
+* ``avg`` (the paper's FedAvg): ``anchor += mean(delta)``, i.e. the new model is the average of
+  the groups' models.
+* ``nesterov`` (DiLoCo's outer optimizer): the pseudo-gradient ``g = -mean(delta)`` goes through
+  SGD with Nesterov momentum, with torch.optim.SGD's conventions::
+
+      buf = momentum * buf + g     (buf starts at zero, so the first step sets buf = g)
+      anchor -= lr * (g + momentum * buf)
+
+  With lr = 1 and momentum = 0 it reduces to ``avg``.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import Tensor
+
+
+class Outer(str, Enum):
+    AVG = "avg"
+    NESTEROV = "nesterov"
+
+    @classmethod
+    def parse(cls, v: "Outer | str") -> "Outer":
+        try:
+            return cls(v.lower() if isinstance(v, str) else v)
+        except ValueError:
+            raise ValueError(f"outer must be one of {[o.value for o in cls]}, got {v!r}") from None
+
+
+class OuterOptimizer:
+    """Applies the outer update to a list of fp32 anchor tensors, in place.
+
+    Args:
+        kind: ``avg`` or ``nesterov``.
+        lr, momentum: the Nesterov SGD hyper-parameters (ignored by ``avg``).
+    """
+
+    def __init__(self, kind: Outer | str, lr: float = 0.7, momentum: float = 0.9) -> None:
+        self.kind = Outer.parse(kind)
+        if self.kind is Outer.NESTEROV:
+            if not (isinstance(lr, (int, float)) and lr > 0):
+                raise ValueError(f"outer_lr must be a positive number, got {lr!r}")
+            if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
+                raise ValueError(f"outer_momentum must be in [0, 1), got {momentum!r}")
+        self.lr, self.momentum = float(lr), float(momentum)
+        # NOTE: momentum buffers exist from the start (zeros), so a state dict taken before the
+        # first sync already has every tensor torch.distributed.checkpoint needs to load into.
+        self.buffers: list[Tensor] = []
+
+    def allocate(self, param_anchors: list[Tensor]) -> None:
+        """Create the momentum buffers (zeros) for the parameter anchors (nesterov only)."""
+        self.buffers = [torch.zeros_like(a) for a in param_anchors] if self.kind is Outer.NESTEROV else []
+
+    @torch.no_grad()
+    def displacement_(self, mean_deltas: list[Tensor], is_param: list[bool]) -> list[Tensor]:
+        """Turn ``mean_deltas`` in place into the displacement of the anchor (``anchor +=
+        result``) and return it. Tensors with ``is_param`` False (buffers) always take the plain
+        average (displacement = mean delta); only parameters go through the outer optimizer."""
+        if self.kind is Outer.AVG:
+            return mean_deltas
+        d = [t for t, p in zip(mean_deltas, is_param) if p]
+        if not d:
+            return mean_deltas
+        if len(self.buffers) != len(d):
+            raise RuntimeError(f"outer optimizer has {len(self.buffers)} momentum buffers for "
+                               f"{len(d)} parameters: call allocate() first")
+        torch._foreach_neg_(d)  # pseudo-gradient g = old minus new
+        torch._foreach_mul_(self.buffers, self.momentum)
+        torch._foreach_add_(self.buffers, d)
+        torch._foreach_add_(d, self.buffers, alpha=self.momentum)  # Nesterov: g + momentum * buf
+        torch._foreach_mul_(d, -self.lr)
+        return mean_deltas
+
+    def state_dict(self) -> dict:
+        return {"kind": self.kind.value, "lr": self.lr, "momentum": self.momentum,
+                "buffers": list(self.buffers)}
+
+    def load_state_dict(self, sd: dict, shapes: list[tuple[int, ...]]) -> None:
+        """``shapes``: the shapes of the parameter anchors, to check the buffers against."""
+        if sd.get("kind") != self.kind.value:
+            raise ValueError(f"outer optimizer state is for outer={sd.get('kind')!r}, this FedAvg "
+                             f"uses outer={self.kind.value!r}")
+        bufs = list(sd.get("buffers") or [])
+        want = list(shapes) if self.kind is Outer.NESTEROV else []
+        got = [tuple(b.shape) for b in bufs]
+        if got != want:
+            raise ValueError(f"outer momentum buffers have shapes {got}, expected {want} "
+                             "(the state is from another model or topology)")
+        for dst, src in zip(self.buffers, bufs):
+            if dst is not src:
+                dst.copy_(src)

@@ -1,0 +1,162 @@
+"""The tensors a rank averages with its federation peers: its local parameter shards and buffers.
+
+Three model kinds are recognised, by what their parameters are:
+
+* **FSDP2** (``fully_shard``): parameters are DTensors; the rank's shard is ``p.to_local()``,
+  a view of the storage FSDP2 all-gathers from, so writing into it updates the model.
+* **FSDP1** (``FullyShardedDataParallel``, ``use_orig_params`` either way): each FSDP unit owns
+  one ``FlatParameter`` whose data is the rank's (padded) flat shard between forward passes;
+  the original parameters, when exposed, are views into it. The flat parameters are averaged.
+* **plain** modules (replicated, e.g. DDP or no wrapper): every parameter whole.
+
+Buffers (running statistics) are never sharded: persistent floating buffers are averaged like
+parameters (always a plain average, never through the outer optimizer); integer buffers (e.g.
+``num_batches_tracked``) and non-persistent buffers (derived caches such as RoPE tables, equal on
+every rank by construction) stay local.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from flcomm.federated.topology import FedMesh
+
+
+@dataclass
+class Slot:
+    """One averaged tensor; ``local`` is the rank's own storage (written in place)."""
+
+    name: str
+    get: Callable[[], Tensor]
+    is_param: bool
+    coord: tuple[int, ...]  # the rank's position among the ranks sharding this tensor
+
+    @property
+    def local(self) -> Tensor:
+        # NOTE: fetched on every use, not cached: FSDP2's lazy init re-pads the sharded storage
+        # (a new local tensor) and FSDP1 swaps ``flat_param.data`` between shard and full views.
+        return self.get()
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch < 2.4
+        return False
+    return isinstance(t, DTensor)
+
+
+def _fsdp1_units(model: nn.Module) -> list[nn.Module]:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover
+        return []
+    return [m for m in FSDP.fsdp_modules(model) if getattr(m, "_handle", None) is not None]
+
+
+def model_kind(model: nn.Module) -> str:
+    """``"fsdp2"``, ``"fsdp1"`` or ``"plain"``."""
+    if _fsdp1_units(model):
+        return "fsdp1"
+    if any(_is_dtensor(p) for p in model.parameters()):
+        return "fsdp2"
+    return "plain"
+
+
+def _group_error(what: str, ranks: list[int], mesh: "FedMesh") -> ValueError:
+    return ValueError(
+        f"{what} is sharded or replicated over ranks {sorted(ranks)}, which leave the federation "
+        f"group of rank {mesh.rank} (ranks {mesh.group_ranks['group']}): shard the model inside "
+        "its group only (FSDP2: fully_shard(..., mesh=fed_mesh.device_mesh['shard']) or "
+        "['replicate', 'shard'] for HSDP), or the groups would not train independently")
+
+
+def collect_slots(model: nn.Module, mesh: "FedMesh") -> tuple[str, list[Slot]]:
+    """The model kind and the tensors to average, in a deterministic order (parameters in
+    ``named_parameters`` / FSDP-unit order, then buffers). Checks that no parameter is sharded
+    over ranks outside the rank's federation group."""
+    import torch.distributed as dist
+
+    kind = model_kind(model)
+    group = set(mesh.group_ranks["group"])
+    slots: list[Slot] = []
+    if kind == "fsdp1":
+        units = _fsdp1_units(model)
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        if not isinstance(model, FSDP):
+            raise ValueError("FSDP1 models must be wrapped at the root (FullyShardedDataParallel(model)) "
+                             f"so that every parameter is in a flat parameter; got a {type(model).__name__} "
+                             "with FSDP units inside")
+        seen: set[int] = set()
+        for i, unit in enumerate(units):
+            fp = unit._handle.flat_param
+            if id(fp) in seen:
+                continue
+            seen.add(id(fp))
+            pg = unit.process_group
+            ranks = dist.get_process_group_ranks(pg)
+            if not set(ranks) <= group:
+                raise _group_error(f"FSDP1 unit {i} ({type(unit.module).__name__})", ranks, mesh)
+            inter = getattr(unit, "_inter_node_pg", None)
+            if inter is not None and not set(dist.get_process_group_ranks(inter)) <= group:
+                raise _group_error(f"FSDP1 unit {i} replica group", dist.get_process_group_ranks(inter), mesh)
+            if fp.is_floating_point():
+                slots.append(Slot(f"flat_param.{i}", lambda fp=fp: fp.data, True, (dist.get_rank(pg),)))
+    else:
+        for name, p in model.named_parameters():
+            if not p.is_floating_point():
+                continue
+            if _is_dtensor(p):
+                dm = p.device_mesh
+                ranks = [int(r) for r in dm.mesh.flatten().tolist()]
+                if not set(ranks) <= group:
+                    raise _group_error(f"parameter {name!r}", ranks, mesh)
+                coord = tuple(dm.get_coordinate() or ())
+                slots.append(Slot(name, lambda p=p: p.to_local(), True, coord))
+            else:
+                slots.append(Slot(name, lambda p=p: p.data, True, ()))
+    for name, owner, bname in persistent_buffers(model):
+        if owner._buffers[bname].is_floating_point():
+            slots.append(Slot(name, lambda m=owner, n=bname: _local(m._buffers[n]), False, ()))
+    return kind, slots
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if _is_dtensor(t) else t.data
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """``(qualified name, owning module, attribute name)`` of every buffer, without the
+    non-persistent ones (which never enter a state dict); the owner is kept so a buffer
+    replaced by ``module.to()`` is found again."""
+    out: list[tuple[str, nn.Module, str]] = []
+    seen: set[int] = set()
+    for mname, m in model.named_modules():
+        skip = getattr(m, "_non_persistent_buffers_set", set())
+        for bname, b in m._buffers.items():
+            if b is None or bname in skip or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out.append((f"{mname}.{bname}" if mname else bname, m, bname))
+    return out
+
+
+def fingerprint(slots: list[Slot]) -> Tensor:
+    """[number of tensors, total elements, crc32 of names/shapes/dtypes/coordinates] as int64;
+    equal on all ranks of a fed group when they hold the same shards of the same model."""
+    desc = ";".join(f"{s.name}:{tuple(s.local.shape)}:{s.local.dtype}:{s.coord}:{int(s.is_param)}"
+                    for s in slots)
+    return torch.tensor([len(slots), sum(s.local.numel() for s in slots), zlib.crc32(desc.encode())],
+                        dtype=torch.int64)
+
+
+def describe(slots: list[Slot]) -> list[tuple[str, tuple[int, ...]]]:
+    return [(s.name, tuple(s.local.shape)) for s in slots]

@@ -1,0 +1,172 @@
+"""Single-process references for the FedAvg tests: a tiny model, deterministic per-rank data,
+and a simulation of F federation groups (one model copy and one inner optimizer each, the
+group's G ranks' batches averaged into one gradient) synchronized every E steps.
+
+The simulation is written from the algorithm's definition (average of the weights, an outer
+torch.optim.SGD with Nesterov momentum on the pseudo-gradient, the one-step-delayed apply),
+independently of flcomm's implementation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+D_IN, D_OUT, BATCH = 4, 3, 5
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+
+class Net(nn.Module):
+    """Input layer, ``blocks`` residual blocks, a 3-row head (uneven and empty shards on 2 and
+    4 ranks), a constant persistent buffer, a non-persistent cache and optionally a BatchNorm
+    (running statistics: floating buffers that change, plus an integer counter)."""
+
+    def __init__(self, d: int = 8, blocks: int = 2, bn: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D_IN, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(blocks))
+        self.bn = nn.BatchNorm1d(d) if bn else None
+        self.head = nn.Linear(d, D_OUT)
+        self.register_buffer("scale", torch.full((d,), 0.5))
+        self.register_buffer("cache", torch.arange(d, dtype=torch.float32), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x) * (2 * self.scale) + 0 * self.cache
+        if self.bn is not None:
+            # NOTE: after a nonlinearity: a bias right before BatchNorm gets a zero gradient,
+            # which AdamW would turn into rounding-noise-driven steps
+            h = self.bn(torch.tanh(h))
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def make_model(seed: int = 0, **kw) -> Net:
+    torch.manual_seed(seed)
+    return Net(**kw)
+
+
+def batch(f: int, i: int, t: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Rank i of group f's batch at step t (1-based)."""
+    g = torch.Generator().manual_seed(1_000_003 * seed + 10_007 * f + 101 * i + t)
+    x = torch.randn(BATCH, D_IN, generator=g)
+    y = torch.randn(BATCH, D_OUT, generator=g)
+    return x, y
+
+
+def loss_fn(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    return ((model(x) - y) ** 2).mean()
+
+
+def make_opt(params, opt: str, lr: float) -> torch.optim.Optimizer:
+    if opt == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    if opt == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    raise ValueError(opt)
+
+
+def averaged_names(model: nn.Module) -> tuple[list[str], list[str]]:
+    """(parameter names, floating persistent buffer names)."""
+    params = [n for n, _ in model.named_parameters()]
+    sd = model.state_dict()
+    bufs = [n for n, b in model.named_buffers() if n in sd and b.is_floating_point()]
+    return params, bufs
+
+
+def _tensor(m: nn.Module, name: str) -> Tensor:
+    d = dict(m.named_parameters())
+    if name in d:
+        return d[name]
+    return dict(m.named_buffers())[name]
+
+
+def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 1e-2,
+             outer: str = "avg", outer_lr: float = 0.7, outer_momentum: float = 0.9,
+             inner_state: str = "keep", overlap: bool = False, seed: int = 0,
+             model_kw: dict | None = None) -> list[dict[str, Tensor]]:
+    """Train F copies for T steps; return each copy's parameters and floating buffers.
+
+    Sync at steps E, 2E, ...: ``avg`` sets every copy to the mean of the copies; ``nesterov``
+    gives torch.optim.SGD(nesterov=True) on a global model the gradient ``global - mean`` and
+    sets every copy to the global model (buffers: the mean). With ``overlap`` the result of the
+    sync at step t is applied after the local step t + 1 (or at the end) as
+    ``w_f += (new_global - old_global) - (w_f(t) - old_global)``.
+    """
+    model_kw = model_kw or {}
+    models = [make_model(seed, **model_kw) for _ in range(F)]
+    opts = [make_opt(m.parameters(), opt, lr) for m in models]
+    pnames, bnames = averaged_names(models[0])
+    names = pnames + bnames
+    glob = {n: _tensor(models[0], n).detach().clone() for n in names}  # the model at the last sync
+    gparams = [glob[n] for n in pnames]
+    outer_opt = (torch.optim.SGD(gparams, lr=outer_lr, momentum=outer_momentum, nesterov=True)
+                 if outer == "nesterov" else None)
+    pending: dict | None = None  # overlap: (displacement per name, own delta per copy)
+
+    @torch.no_grad()
+    def sync() -> dict:
+        mean = {n: torch.stack([_tensor(m, n).detach() for m in models]).mean(0) for n in names}
+        own = [{n: _tensor(m, n).detach() - glob[n] for n in names} for m in models]
+        old = {n: glob[n].clone() for n in names}
+        if outer_opt is None:
+            for n in names:
+                glob[n].copy_(mean[n])
+        else:
+            for n in pnames:
+                glob[n].grad = glob[n] - mean[n]
+            outer_opt.step()
+            for n in bnames:
+                glob[n].copy_(mean[n])
+        if inner_state == "average":
+            plists = [list(m.parameters()) for m in models]
+            for idx in range(len(plists[0])):
+                states = [opts[k].state[plists[k][idx]] for k in range(len(models))]
+                for key in list(states[0]):
+                    if key == "step":
+                        continue
+                    avg = torch.stack([s[key] for s in states]).mean(0)
+                    for s in states:
+                        s[key] = avg.clone()
+        elif inner_state == "reset":
+            for o in opts:
+                o.state.clear()
+        return {"disp": {n: glob[n] - old[n] for n in names}, "own": own}
+
+    @torch.no_grad()
+    def apply(p: dict) -> None:
+        for k, m in enumerate(models):
+            for n in names:
+                _tensor(m, n).add_(p["disp"][n] - p["own"][k][n])
+
+    for t in range(1, T + 1):
+        for f, m in enumerate(models):
+            losses = [loss_fn(m, *batch(f, i, t, seed)) for i in range(G)]
+            (sum(losses) / G).backward()
+            opts[f].step()
+            opts[f].zero_grad()
+        if pending is not None:
+            apply(pending)
+            pending = None
+        if t % E == 0:
+            res = sync()
+            if overlap:
+                pending = res
+            else:
+                with torch.no_grad():
+                    for m in models:
+                        for n in names:
+                            _tensor(m, n).copy_(glob[n])
+    if pending is not None:
+        apply(pending)
+    return [{n: _tensor(m, n).detach().clone() for n in names} for m in models]
