@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from flcomm.comm.base import wire_bytes
+
 from flcomm.train.data import (ShardedLoader, builtin_corpus, check_vocab, decode, encode, eval_batches, fingerprint,
                                load_tokens, split_tokens)
 from flcomm.train.driver import TrainConfig, check_before_launch, lr_at, resolve_topology
@@ -172,12 +174,13 @@ def _run_strategies(rank: int, world: int, out_dir: str) -> dict:
     from flcomm.train.driver import train
 
     res = {}
-    for strategy, kw in (("fsdp", {}), ("hsdp", dict(shard_size=2)), ("fl-fsdp", dict(sync_every=2)),
-                         ("fl-hsdp", dict(sync_every=2))):
-        cfg = TrainConfig(strategy=strategy, ranks_per_node=2, metrics=os.path.join(out_dir, f"{strategy}.jsonl"),
+    for name, strategy, kw in (("fsdp", "fsdp", {}), ("hsdp", "hsdp", dict(shard_size=2)),
+                               ("fl-fsdp", "fl-fsdp", dict(sync_every=2)), ("fl-hsdp", "fl-hsdp", dict(sync_every=2)),
+                               ("fsdp-hier", "fsdp", dict(hierarchical=True))):
+        cfg = TrainConfig(strategy=strategy, ranks_per_node=2, metrics=os.path.join(out_dir, f"{name}.jsonl"),
                           **SMALL, **kw)
         r = train(cfg, return_params=True)
-        res[strategy] = {"losses": r.losses, "params": r.params, "eval": r.eval_losses, "syncs": r.num_syncs}
+        res[name] = {"losses": r.losses, "params": r.params, "eval": r.eval_losses, "syncs": r.num_syncs}
     return res
 
 
@@ -224,8 +227,9 @@ def strategy_runs(tmp_path_factory):
     return run_distributed(_run_strategies, 4, out, timeout=300), out
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp", "fsdp-hier"])
 def test_fsdp_hsdp_equal_data_parallel_reference(strategy_runs, strategy):
+    """fsdp-hier: FSDP with flcomm's hierarchical reduce-scatter / all-gather hooks."""
     results, _ = strategy_runs
     ref_losses, ref_params = reference(4, [[0, 1, 2, 3]], None)
     for r in range(4):
@@ -276,8 +280,15 @@ def test_metrics_files(strategy_runs):
     assert all(r["intergroup_bytes"] == 0 for r in fsdp)
     fl = runs["fl-fsdp"].steps
     assert all(r["internode_bytes"] == 0 for r in fl)
-    assert [r["intergroup_bytes"] for r in fl] == [0, (blocks + root) // 2, 0, (blocks + root) // 2]
+    # + FedAvg's non-finite check: an all-reduce of one int32 flag per group (F = 2)
+    sync = (blocks + root) // 2 + wire_bytes("all_reduce", 4 * 2, 2)
+    assert [r["intergroup_bytes"] for r in fl] == [0, sync, 0, sync]
     assert all(r["intranode_bytes"] == (blocks * 3 + root * 2) // 2 for r in fl)
+    # hierarchical FSDP (2 nodes x 2): the inter-node stage carries 1/2 of a 1/2-size buffer
+    # (a third of the flat ring's inter-node bytes); the intra-node stage 1/2 of the buffer
+    hier = read_metrics(os.path.join(out, "fsdp-hier.jsonl")).steps
+    assert all(r["internode_bytes"] == (blocks * 3 + root * 2) // 4 for r in hier)
+    assert all(r["intranode_bytes"] == (blocks * 3 + root * 2) // 2 for r in hier)
     with open(os.path.join(out, "fsdp.jsonl")) as f:
         assert all(json.loads(line) for line in f)
 

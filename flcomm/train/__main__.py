@@ -34,6 +34,9 @@ def _add_common(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    help="G, ranks per federation group (fl-*; default: one node)")
     g.add_argument("--shard-size", type=int, default=d.shard_size,
                    help="S, ranks per shard group (hsdp / fl-hsdp; default: one node)")
+    g.add_argument("--hierarchical", action=argparse.BooleanOptionalAction, default=d.hierarchical,
+                   help="FSDP reduce-scatter / all-gather in two stages (intra-node, then inter-node) "
+                        "when the shard group spans nodes")
     f = p.add_argument_group("FedAvg (fl-fsdp, fl-hsdp)")
     f.add_argument("--sync-every", type=int, default=d.sync_every, help="E, local steps between syncs")
     f.add_argument("--codec", default=d.codec, help=f"wire codec: {', '.join(known_codecs())}")

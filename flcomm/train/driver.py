@@ -80,6 +80,9 @@ class TrainConfig:
     ranks_per_node: int | None = None
     group_size: int | None = None
     shard_size: int | None = None
+    # hierarchical FSDP collectives (intra-node stage, then inter-node) for a shard group that
+    # spans nodes; a no-op when it does not
+    hierarchical: bool = False
     # FedAvg
     sync_every: int = 8
     codec: str = "none"
@@ -372,7 +375,18 @@ def train(cfg: TrainConfig, return_params: bool = False, stop_after: int | None 
     else:
         model = build_model(mcfg, device="cpu", seed=cfg.seed).to(device)
         units = shard_model(model, mesh, mp)
-    traffic = FsdpTraffic(units, mesh, mp.param_dtype, mp.reduce_dtype)
+    hierarchical = cfg.hierarchical and len({r // topo.ranks_per_node for r in mesh.group_ranks["shard"]}) > 1
+    if hierarchical:
+        from flcomm.collectives.hierarchical import Hierarchy
+        from flcomm.fsdp.fsdp2 import apply_hierarchical_collectives
+
+        # NOTE: the hooks' transports count their own bytes (intra- and inter-node apart) into
+        # mesh.stats, so FsdpTraffic leaves the shard-dim collectives out.
+        apply_hierarchical_collectives(model, Hierarchy.from_mesh(mesh, "shard"))
+    elif cfg.hierarchical and rank == 0:
+        print("flcomm.train: --hierarchical has no effect: the shard group lies inside one node",
+              file=sys.stderr, flush=True)
+    traffic = FsdpTraffic(units, mesh, mp.param_dtype, mp.reduce_dtype, count_shard_dim=not hierarchical)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   weight_decay=cfg.weight_decay)
 
@@ -477,7 +491,7 @@ def train(cfg: TrainConfig, return_params: bool = False, stop_after: int | None 
             if (cfg.eval_every and step % cfg.eval_every == 0) or last:
                 if fed is not None:
                     fed.finish()
-                ev = evaluate(model, held, device)
+                ev = counter.excluding(lambda: evaluate(model, held, device))
                 res.eval_losses[step] = ev
             if cfg.checkpoint_dir and ((cfg.save_every and step % cfg.save_every == 0) or last):
                 if fed is not None:

@@ -27,14 +27,16 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 
 from flcomm.comm.base import CommStats, LinkTier, wire_bytes
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from flcomm.federated.topology import FedMesh
@@ -129,6 +131,15 @@ class TierCounter:
         self.stats = stats
         self._last = {t: stats.bytes(t) for t in LinkTier}
 
+    def excluding(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` and leave the bytes it moves out of the next :meth:`delta` (evaluation's
+        FSDP all-gathers are not training traffic)."""
+        before = {t: self.stats.bytes(t) for t in LinkTier}
+        out = fn()
+        for t in LinkTier:
+            self._last[t] += self.stats.bytes(t) - before[t]
+        return out
+
     def delta(self) -> dict[LinkTier, int]:
         now = {t: self.stats.bytes(t) for t in LinkTier}
         d = {t: now[t] - self._last[t] for t in LinkTier}
@@ -147,10 +158,14 @@ class FsdpTraffic:
         until backward): (S-1)/S * B each;
       * gradient reduce-scatter over the shard ranks: (S-1)/S * B (in the reduce dtype);
       * HSDP: all-reduce of the reduced shard over the R replicas: 2(R-1)/R * B/S.
+
+    ``count_shard_dim=False`` leaves out the shard-dim collectives, for when flcomm's
+    hierarchical FSDP hooks run them and count them through their transports.
     """
 
     def __init__(self, units: Iterable[tuple[nn.Module, bool]], mesh: "FedMesh",
-                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> None:
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 count_shard_dim: bool = True) -> None:
         F_, R, S = mesh.topology.mesh_shape
         self.stats = mesh.stats
         self.shard_tier = mesh.tier("shard")
@@ -175,9 +190,10 @@ class FsdpTraffic:
             pb = torch.finfo(param_dtype).bits // 8 if param_dtype else 4
             rb = torch.finfo(reduce_dtype).bits // 8 if reduce_dtype else pb
             n_ag = 2 if reshards else 1
-            for _ in range(n_ag):
-                self.records.append((self.shard_tier, wire_bytes("all_gather", numel_padded * pb, S)))
-            self.records.append((self.shard_tier, wire_bytes("reduce_scatter", numel_padded * rb, S)))
+            if count_shard_dim:
+                for _ in range(n_ag):
+                    self.records.append((self.shard_tier, wire_bytes("all_gather", numel_padded * pb, S)))
+                self.records.append((self.shard_tier, wire_bytes("reduce_scatter", numel_padded * rb, S)))
             if R > 1:
                 self.records.append((self.replicate_tier,
                                      wire_bytes("all_reduce", numel_padded // S * rb, R)))
