@@ -1,0 +1,248 @@
+"""Codecs: how an fp32 tensor is put on the wire. A user picks one by name::
+
+    codec = get_codec("int8")                 # none, bf16, fp16, int8, fp8
+    buf = codec.encode(x)                     # uint8: payload and scales in one buffer
+    y = codec.decode(buf, x.numel())          # fp32
+    codec.decode_accumulate(buf, n, acc)      # acc += decode(buf): the reduce step
+
+A new codec is one file: subclass :class:`Codec`, set ``name``, implement ``encoded_nbytes``,
+``encode``, ``decode`` (and ``decode_accumulate`` / ``encode_error_feedback`` when a fused kernel
+exists), and decorate the class with :func:`register_codec`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from flcomm import kernels
+
+__all__ = ["CODECS", "Codec", "KernelCodec", "NoneCodec", "get_codec", "register_codec"]
+
+
+class Codec(ABC):
+    """Encodes ``numel`` fp32 elements into ``encoded_nbytes(numel)`` bytes and back.
+
+    Attributes:
+        name: the registry name.
+        lossless: whether ``decode(encode(x)) == x`` bit for bit.
+        align_numel: chunk sizes that are a multiple of this avoid partial blocks (collectives
+            round their per-rank chunks up to it).
+    """
+
+    name: ClassVar[str] = ""
+    lossless: ClassVar[bool] = False
+    align_numel: int = 4
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+    @abstractmethod
+    def encoded_nbytes(self, numel: int) -> int:
+        """Bytes of the encoding of ``numel`` fp32 elements."""
+
+    @abstractmethod
+    def encode(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """Encode contiguous fp32 ``x`` into ``out`` (uint8 of ``encoded_nbytes(x.numel())``)."""
+
+    @abstractmethod
+    def decode(self, buf: Tensor, numel: int, out: Tensor | None = None) -> Tensor:
+        """Decode ``buf`` into fp32 ``out`` of ``numel`` elements."""
+
+    def decode_accumulate(self, buf: Tensor, numel: int, acc: Tensor) -> None:
+        """``acc += decode(buf)`` in fp32 (codecs with a fused kernel override this)."""
+        acc.add_(self.decode(buf, numel).view_as(acc))
+
+    def encode_error_feedback(self, x: Tensor, residual: Tensor, out: Tensor | None = None) -> Tensor:
+        """Encode ``y = x + residual`` and set ``residual = y - decode(encode(y))``."""
+        y = x + residual
+        out = self.encode(y, out)
+        residual.copy_(y - self.decode(out, y.numel()).view_as(y))
+        return out
+
+    def error_bound(self, x: Tensor) -> Tensor:
+        """Per-element bound on ``|decode(encode(x)) - x|`` for fp32 ``x`` (used by the tests;
+        zero for lossless codecs)."""
+        return torch.zeros_like(x)
+
+
+_REGISTRY: dict[str, type[Codec]] = {}
+#: names of the registered codecs, in registration order
+CODECS: tuple[str, ...] = ()
+
+
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    """Class decorator: make ``cls`` available to :func:`get_codec` under ``cls.name``."""
+    global CODECS
+    if not (isinstance(cls, type) and issubclass(cls, Codec)):
+        raise TypeError(f"register_codec expects a Codec subclass, got {cls!r}")
+    if not cls.name:
+        raise ValueError(f"{cls.__name__}.name must be a non-empty string")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"a codec named {cls.name!r} is already registered ({_REGISTRY[cls.name].__name__})")
+    _REGISTRY[cls.name] = cls
+    CODECS = tuple(_REGISTRY)
+    return cls
+
+
+def get_codec(name_or_codec: str | Codec, **kwargs: Any) -> Codec:
+    """The codec named ``name_or_codec`` (keyword arguments go to its constructor, e.g.
+    ``block_size``); a :class:`Codec` instance is returned as is."""
+    if isinstance(name_or_codec, Codec):
+        if kwargs:
+            raise ValueError(f"options {sorted(kwargs)} given with a codec instance {name_or_codec!r}")
+        return name_or_codec
+    if not isinstance(name_or_codec, str):
+        raise TypeError(f"codec must be a name ({', '.join(CODECS)}) or a Codec, got "
+                        f"{type(name_or_codec).__name__}")
+    cls = _REGISTRY.get(name_or_codec.lower())
+    if cls is None:
+        raise ValueError(f"unknown codec {name_or_codec!r}; known codecs: {', '.join(CODECS)}")
+    return cls(**kwargs)
+
+
+def _check_input(x: Tensor) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"codec input must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.float32:
+        raise TypeError(f"codec input must be float32, got {x.dtype} (cast it, e.g. x.float())")
+    if not x.is_contiguous():
+        raise ValueError(f"codec input must be contiguous, got shape {tuple(x.shape)} strides {x.stride()}")
+
+
+@register_codec
+class NoneCodec(Codec):
+    """No compression: the fp32 bytes themselves."""
+
+    name = "none"
+    lossless = True
+    align_numel = 4
+
+    def encoded_nbytes(self, numel: int) -> int:
+        return 4 * numel
+
+    def encode(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        _check_input(x)
+        raw = x.reshape(-1).view(torch.uint8)
+        if out is None:
+            return raw.clone()
+        kernels._check_buf("out", out, raw.numel(), x.device)
+        out.copy_(raw)
+        return out
+
+    def decode(self, buf: Tensor, numel: int, out: Tensor | None = None) -> Tensor:
+        kernels._check_buf("buf", buf, 4 * numel, out.device if out is not None else buf.device)
+        vals = buf.view(torch.float32)
+        if out is None:
+            return vals.clone()
+        kernels._check_fp32("out", out)
+        out.view(-1).copy_(vals)
+        return out
+
+    def decode_accumulate(self, buf: Tensor, numel: int, acc: Tensor) -> None:
+        kernels._check_fp32("acc", acc)
+        kernels._check_buf("buf", buf, 4 * numel, acc.device)
+        acc.view(-1).add_(buf.view(torch.float32))
+
+    def encode_error_feedback(self, x: Tensor, residual: Tensor, out: Tensor | None = None) -> Tensor:
+        # NOTE: lossless: y encodes exactly and the residual becomes zero.
+        y = x + residual
+        residual.zero_()
+        return self.encode(y, out)
+
+
+class KernelCodec(Codec):
+    """A codec backed by the quantization kernels of :mod:`flcomm.kernels`."""
+
+    fmt: ClassVar[str] = ""
+
+    def __init__(self, block_size: int = kernels.DEFAULT_BLOCK_SIZE, backend: str | None = None) -> None:
+        kernels.check_format(self.fmt, block_size)
+        if backend is not None and backend not in kernels.BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(kernels.BACKENDS)}, got {backend!r}")
+        self.block_size = block_size
+        self.backend = backend
+        # NOTE: 16-byte multiples keep encoded chunks aligned; whole blocks avoid partial ones.
+        self.align_numel = block_size if self.fmt in kernels.BLOCKED_FORMATS else 8
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, block_size={self.block_size})"
+
+    def encoded_nbytes(self, numel: int) -> int:
+        return kernels.encoded_nbytes(numel, self.fmt, self.block_size)
+
+    def encode(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        _check_input(x)
+        return kernels.quantize(x, out, fmt=self.fmt, block_size=self.block_size, backend=self.backend)
+
+    def decode(self, buf: Tensor, numel: int, out: Tensor | None = None) -> Tensor:
+        return kernels.dequantize(buf, numel, out, fmt=self.fmt, block_size=self.block_size,
+                                  backend=self.backend)
+
+    def decode_accumulate(self, buf: Tensor, numel: int, acc: Tensor) -> None:
+        kernels.dequantize(buf, numel, acc, fmt=self.fmt, block_size=self.block_size, accumulate=True,
+                           backend=self.backend)
+
+    def encode_error_feedback(self, x: Tensor, residual: Tensor, out: Tensor | None = None) -> Tensor:
+        _check_input(x)
+        return kernels.quantize_error_feedback(x, residual, out, fmt=self.fmt, block_size=self.block_size,
+                                               backend=self.backend)
+
+    def _block_absmax(self, x: Tensor) -> Tensor:
+        """Per-element absmax of the element's block."""
+        xb = kernels._blocked(x.reshape(-1).float(), self.block_size)
+        amax = xb.abs().amax(dim=1, keepdim=True).expand_as(xb)
+        return amax.reshape(-1)[: x.numel()].view_as(x)
+
+
+@register_codec
+class BF16Codec(KernelCodec):
+    """bfloat16 cast (round to nearest even): relative error <= 2^-8."""
+
+    name = "bf16"
+    fmt = "bf16"
+
+    def error_bound(self, x: Tensor) -> Tensor:
+        return x.abs() * 2.0**-8
+
+
+@register_codec
+class FP16Codec(KernelCodec):
+    """float16 cast (round to nearest even): relative error <= 2^-11 above 2^-14, absolute
+    2^-25 below; |x| > 65504 becomes inf (use bf16 or a scaled codec for such ranges)."""
+
+    name = "fp16"
+    fmt = "fp16"
+
+    def error_bound(self, x: Tensor) -> Tensor:
+        return x.abs() * 2.0**-11 + 2.0**-25
+
+
+@register_codec
+class Int8Codec(KernelCodec):
+    """int8 with one absmax scale per block: error <= scale/2 = absmax/254 per element."""
+
+    name = "int8"
+    fmt = "int8"
+
+    def error_bound(self, x: Tensor) -> Tensor:
+        # NOTE: scale/2 plus a few ulps for the fp32 products x*inv and q*scale.
+        amax = self._block_absmax(x)
+        return amax / 254.0 * (1 + 2.0**-20) + amax * 2.0**-22
+
+
+@register_codec
+class FP8Codec(KernelCodec):
+    """float8 e4m3 with one absmax scale per block (absmax -> 448): relative error <= 2^-4 for
+    normals, absolute 2^-10 * scale in the subnormal range."""
+
+    name = "fp8"
+    fmt = "fp8"
+
+    def error_bound(self, x: Tensor) -> Tensor:
+        amax = self._block_absmax(x)
+        scale = amax / 448.0
+        return x.abs() * 2.0**-4 * (1 + 2.0**-20) + scale * 2.0**-10 + amax * 2.0**-22
