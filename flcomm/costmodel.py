@@ -66,6 +66,7 @@ from enum import Enum
 from typing import Any
 
 from flcomm.comm.base import LinkTier, wire_bytes
+from flcomm.kernels import DEFAULT_BLOCK_SIZE
 
 __all__ = [
     "Strategy", "Link", "Cluster", "Workload", "Plan", "Prediction", "Crossover", "Recommendation",
@@ -105,7 +106,7 @@ class Strategy(str, Enum):
 CODEC_BYTES: dict[str, tuple[int, bool]] = {
     "none": (4, False), "bf16": (2, False), "fp16": (2, False), "int8": (1, True), "fp8": (1, True),
 }
-DEFAULT_BLOCK = 256
+DEFAULT_BLOCK = DEFAULT_BLOCK_SIZE  # the codecs' block, so model and wire agree
 # NOTE: order used to break ties in recommendations: least lossy first.
 _CODEC_LOSS_ORDER = ("none", "bf16", "fp16", "fp8", "int8")
 

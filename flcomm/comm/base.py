@@ -126,8 +126,12 @@ class Work:
 
     def __init__(self, handle: Any, tier: LinkTier, stats: CommStats, t0: float,
                  timeout: timedelta, post: Callable[[], None] | None = None,
-                 result: Any = None) -> None:
+                 result: Any = None, stream_wait: bool = False) -> None:
         self._handle = handle
+        # NOTE: torch's NCCL work blocks the CPU thread until completion when wait() gets a
+        # timeout; without one it only makes the current CUDA stream wait, which keeps
+        # compute overlapped. Its timeout is then the process group's own (watchdog).
+        self._stream_wait = stream_wait
         self._tier, self._stats, self._t0 = tier, stats, t0
         self._timeout = timeout
         self._post = post
@@ -154,6 +158,9 @@ class Work:
         return self.result
 
     def _wait_handle(self, timeout: timedelta) -> None:
+        if self._stream_wait:
+            self._handle.wait()
+            return
         try:
             ok = self._handle.wait(timeout)
         except TypeError:  # handle without a timeout argument (e.g. a torch Future)
@@ -195,6 +202,8 @@ class Transport(ABC):
     """
 
     name: str = "transport"
+    # True where a handle's wait() without a timeout is stream-ordered (torch's NCCL work)
+    _stream_wait: bool = False
 
     def __init__(self, rank: int, size: int, tier: LinkTier, stats: CommStats | None = None,
                  timeout: timedelta = DEFAULT_TIMEOUT) -> None:
@@ -271,7 +280,7 @@ class Transport(ABC):
         post = None
         if isinstance(handle, tuple):  # (handle, post-processing)
             handle, post = handle
-        work = Work(handle, self.tier, self.stats, t0, self.timeout, post, result)
+        work = Work(handle, self.tier, self.stats, t0, self.timeout, post, result, self._stream_wait)
         return work if async_op else work.wait()
 
     # ---- implementations ----

@@ -40,6 +40,7 @@ class TorchTransport(Transport):
                          stats, timeout)
         self.backend = str(dist.get_backend(self.group)).lower()
         self.ranks = dist.get_process_group_ranks(self.group)
+        self._stream_wait = self.backend == "nccl"
 
     def _op(self, op: ReduceOp, out: Tensor) -> tuple[Any, Any]:
         """The torch op to issue, and the post-processing it needs."""
