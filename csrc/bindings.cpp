@@ -28,4 +28,39 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cuda_runtime_version", &flcomm::cuda_runtime_version);
 
   // [nccl communicator]
+  // nccl_comm.h. Calls that wait (init, split, wait, collectives, destroy) release the GIL.
+  {
+    namespace py = pybind11;
+    using flcomm::NcclComm;
+    using flcomm::NcclWork;
+    using nogil = py::call_guard<py::gil_scoped_release>;
+    py::register_exception<flcomm::NcclTimeoutError>(m, "NcclTimeoutError", PyExc_TimeoutError);
+    m.attr("NCCL_UNIQUE_ID_BYTES") = flcomm::kNcclUniqueIdBytes;
+    m.def("nccl_unique_id", [] { return py::bytes(flcomm::nccl_unique_id()); },
+          "ncclGetUniqueId(): the 128 bytes rank 0 shares with the other ranks (needs no GPU)");
+    py::class_<NcclWork, std::shared_ptr<NcclWork>>(m, "NcclWork")
+        .def("wait", &NcclWork::wait, py::arg("timeout_s") = -1.0, nogil())
+        .def("is_completed", &NcclWork::is_completed);
+    py::class_<NcclComm, std::shared_ptr<NcclComm>>(m, "NcclComm")
+        .def(py::init<const std::string&, int, int, int, double>(), py::arg("unique_id"), py::arg("nranks"),
+             py::arg("rank"), py::arg("device"), py::arg("timeout_s") = 300.0, nogil())
+        .def("split", &NcclComm::split, py::arg("color"), py::arg("key"), py::arg("timeout_s") = -1.0, nogil())
+        .def("all_reduce", &NcclComm::all_reduce, py::arg("tensor"), py::arg("op") = "sum", nogil())
+        .def("reduce_scatter", &NcclComm::reduce_scatter, py::arg("output"), py::arg("input"),
+             py::arg("op") = "sum", nogil())
+        .def("all_gather", &NcclComm::all_gather, py::arg("output"), py::arg("input"), nogil())
+        .def("all_to_all", &NcclComm::all_to_all, py::arg("output"), py::arg("input"), nogil())
+        .def("broadcast", &NcclComm::broadcast, py::arg("tensor"), py::arg("root") = 0, nogil())
+        .def("group_start", &NcclComm::group_start)
+        .def("group_end", &NcclComm::group_end, nogil())
+        .def("abort", &NcclComm::abort)
+        .def("destroy", &NcclComm::destroy, nogil())
+        .def_property_readonly("rank", &NcclComm::rank)
+        .def_property_readonly("size", &NcclComm::size)
+        .def_property_readonly("device", &NcclComm::device)
+        .def_property_readonly("timeout", &NcclComm::timeout)
+        .def_property_readonly("is_aborted", &NcclComm::is_aborted)
+        .def_property_readonly("is_destroyed", &NcclComm::is_destroyed)
+        .def("__repr__", &NcclComm::repr);
+  }
 }

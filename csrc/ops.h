@@ -18,3 +18,6 @@ int nccl_version_loaded();           // ncclGetVersion() of the loaded libnccl, 
 int cuda_runtime_version();          // cudaRuntimeGetVersion(), 0 without CUDA
 
 }  // namespace flcomm
+
+// ---- nccl communicator (nccl_comm.h) ----
+#include "nccl_comm.h"

@@ -1,0 +1,647 @@
+// The native NCCL communicator (declarations and the contract: nccl_comm.h).
+//
+// Everything NCCL/CUDA is compiled only with FLCOMM_WITH_NCCL (setup.py defines it when it builds
+// with CUDA and finds nccl.h). Without it the same names exist and throw an error that says how
+// to build with NCCL.
+#include "nccl_comm.h"
+
+#include "common.h"
+
+#ifdef FLCOMM_WITH_NCCL
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#endif
+
+namespace flcomm {
+
+#ifdef FLCOMM_WITH_NCCL
+
+static_assert(kNcclUniqueIdBytes == NCCL_UNIQUE_ID_BYTES, "ncclUniqueId size changed");
+
+// NOTE: NCCL gained fp8 types in 2.24; older headers do not have the enum values.
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 24, 0)
+#define FLCOMM_NCCL_HAS_FP8 1
+#endif
+
+struct NcclCommState {
+  ncclComm_t comm = nullptr;
+  int rank = 0;
+  int size = 0;
+  int device = 0;
+  double timeout_s = 300.0;
+  bool aborted = false;
+  bool destroyed = false;
+  std::string abort_reason;
+  int group_depth = 0;
+  std::shared_ptr<NcclEvent> group_event;  // the open group's event, recorded at group_end()
+  // NOTE: guards `comm` and the flags: wait() runs without the GIL and abort() may come from
+  // another thread; NCCL must never see a comm that another thread is freeing.
+  std::mutex mu;
+
+  ~NcclCommState();
+};
+
+struct NcclEvent {
+  cudaEvent_t event = nullptr;
+  int device = 0;
+  bool recorded = false;
+  bool done = false;
+
+  explicit NcclEvent(int dev) : device(dev) {}
+  ~NcclEvent() {
+    if (event != nullptr) {
+      c10::cuda::CUDAGuard guard(device);
+      (void)cudaEventDestroy(event);  // NOTE: a destructor must not throw; nothing to report to
+    }
+  }
+  void record(cudaStream_t stream) {
+    if (event == nullptr) FLCOMM_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    FLCOMM_CUDA_CHECK(cudaEventRecord(event, stream));
+    recorded = true;
+  }
+  // true when complete, false when not yet; throws on a CUDA error.
+  bool query() {
+    if (done) return true;
+    cudaError_t err = cudaEventQuery(event);
+    if (err == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // NOTE: NotReady is not sticky, but clear it for later checks
+      return false;
+    }
+    FLCOMM_CUDA_CHECK(err);
+    done = true;
+    return true;
+  }
+};
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string where(const NcclCommState& st) {
+  std::ostringstream os;
+  os << "NCCL communicator rank " << st.rank << " of " << st.size << " on cuda:" << st.device;
+  return os.str();
+}
+
+// Caller holds st.mu. Idempotent.
+void abort_locked(NcclCommState& st, const std::string& reason) {
+  if (st.comm != nullptr && !st.aborted && !st.destroyed) {
+    c10::cuda::CUDAGuard guard(st.device);
+    // NOTE: the communicator is gone whatever abort returns; a failed abort must not hide the
+    // error that caused it, so its result is deliberately not raised.
+    (void)ncclCommAbort(st.comm);
+    st.comm = nullptr;
+  }
+  if (!st.destroyed) {
+    st.aborted = true;
+    if (st.abort_reason.empty()) st.abort_reason = reason;
+  }
+}
+
+void check_alive_locked(const NcclCommState& st, const char* what) {
+  TORCH_CHECK(!st.destroyed, what, ": the ", where(st), " was destroyed");
+  TORCH_CHECK(!st.aborted, what, ": the ", where(st), " was aborted (", st.abort_reason, ")");
+}
+
+// The communicator's asynchronous state: ncclSuccess, ncclInProgress or an error. Caller holds
+// st.mu and has checked the communicator is alive.
+ncclResult_t async_state_locked(NcclCommState& st) {
+  ncclResult_t state = ncclSuccess;
+  FLCOMM_NCCL_CHECK(ncclCommGetAsyncError(st.comm, &state), st.comm);
+  return state;
+}
+
+// Message for an asynchronous error; caller holds st.mu, the comm is still alive.
+std::string async_message_locked(NcclCommState& st, ncclResult_t state, const std::string& what) {
+  std::ostringstream os;
+  os << what << ": NCCL error on the " << where(st) << ": " << ncclGetErrorString(state);
+  const char* last = ncclGetLastError(st.comm);
+  if (last != nullptr && last[0] != '\0') os << " (" << last << ")";
+  os << "; the communicator was aborted";
+  return os.str();
+}
+
+void sleep_backoff(int iter) {
+  if (iter < 100) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(std::min(1000, 10 * (iter - 99))));
+  }
+}
+
+// Non-blocking mode: an NCCL call may return ncclInProgress, and the communicator may be used
+// again only once ncclCommGetAsyncError stops saying so. Polls until then, or aborts and throws
+// (NcclTimeoutError after `timeout_s`).
+void await_ready(NcclCommState& st, const std::string& what, double timeout_s) {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+  for (int iter = 0;; ++iter) {
+    {
+      std::lock_guard<std::mutex> lock(st.mu);
+      check_alive_locked(st, what.c_str());
+      ncclResult_t state = async_state_locked(st);
+      if (state == ncclSuccess) return;
+      if (state != ncclInProgress) {
+        std::string msg = async_message_locked(st, state, what);
+        abort_locked(st, msg);
+        throw std::runtime_error(msg);
+      }
+      if (Clock::now() > deadline) {
+        std::ostringstream os;
+        os << what << ": the " << where(st) << " did not complete within " << timeout_s
+           << " s (a peer did not join or is stuck); the communicator was aborted";
+        abort_locked(st, os.str());
+        throw NcclTimeoutError(os.str());
+      }
+    }
+    sleep_backoff(iter);
+  }
+}
+
+ncclDataType_t nccl_dtype(at::ScalarType t, const std::string& what) {
+  switch (t) {
+    case at::kFloat: return ncclFloat32;
+    case at::kBFloat16: return ncclBfloat16;
+    case at::kHalf: return ncclFloat16;
+    case at::kDouble: return ncclFloat64;
+    case at::kChar: return ncclInt8;
+    case at::kByte: return ncclUint8;
+    case at::kInt: return ncclInt32;
+    case at::kLong: return ncclInt64;
+#ifdef FLCOMM_NCCL_HAS_FP8
+    case at::kFloat8_e4m3fn: return ncclFloat8e4m3;
+    case at::kFloat8_e5m2: return ncclFloat8e5m2;
+#endif
+    default: break;
+  }
+#ifdef FLCOMM_NCCL_HAS_FP8
+  constexpr const char* fp8 = ", float8_e4m3fn, float8_e5m2";
+#else
+  constexpr const char* fp8 = " (fp8 needs NCCL >= 2.24)";
+#endif
+  TORCH_CHECK(false, what, ": dtype must be one of float32, bfloat16, float16, float64, int8, uint8, int32, int64",
+              fp8, "; got ", t);
+  return ncclFloat32;  // unreachable
+}
+
+ncclRedOp_t nccl_op(const std::string& op, const std::string& what) {
+  if (op == "sum") return ncclSum;
+  if (op == "avg") return ncclAvg;
+  if (op == "max") return ncclMax;
+  if (op == "min") return ncclMin;
+  TORCH_CHECK(false, what, ": op must be one of sum, avg, max, min; got '", op, "'");
+  return ncclSum;  // unreachable
+}
+
+void check_tensor(const NcclCommState& st, const at::Tensor& t, const char* name, const std::string& what) {
+  TORCH_CHECK(t.defined(), what, ": ", name, " is an undefined tensor");
+  TORCH_CHECK(t.is_cuda() && t.get_device() == st.device, what, ": ", name, " must be on cuda:", st.device,
+              " (the communicator's device), got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), what, ": ", name, " must be contiguous, got shape ", t.sizes(),
+              " strides ", t.strides());
+}
+
+void check_pair(const NcclCommState& st, const at::Tensor& out, const at::Tensor& in, const std::string& what) {
+  check_tensor(st, in, "input", what);
+  check_tensor(st, out, "output", what);
+  TORCH_CHECK(out.scalar_type() == in.scalar_type(), what, ": output and input must have one dtype, got ",
+              out.scalar_type(), " and ", in.scalar_type());
+}
+
+}  // namespace
+
+NcclCommState::~NcclCommState() {
+  // NOTE: never throws. A clean shutdown (finalize + destroy) when nothing failed; abort when
+  // the communicator is in error, or when finalize does not complete within the timeout.
+  if (comm == nullptr || aborted || destroyed) return;
+  try {
+    c10::cuda::CUDAGuard guard(device);
+    ncclResult_t state = ncclSuccess;
+    ncclResult_t res = ncclCommGetAsyncError(comm, &state);
+    if (res == ncclSuccess && state != ncclSuccess && state != ncclInProgress) res = state;
+    if (res == ncclSuccess) res = ncclCommFinalize(comm);
+    if (res != ncclSuccess && res != ncclInProgress) {
+      (void)ncclCommAbort(comm);
+    } else {
+      const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+      for (int iter = 0;; ++iter) {
+        if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) state = ncclSystemError;
+        if (state != ncclInProgress || Clock::now() > deadline) break;
+        sleep_backoff(iter);
+      }
+      if (state == ncclSuccess) {
+        (void)ncclCommDestroy(comm);
+      } else {
+        (void)ncclCommAbort(comm);
+      }
+    }
+  } catch (...) {
+  }
+  comm = nullptr;
+  destroyed = true;
+}
+
+std::string nccl_unique_id() {
+  ncclUniqueId id;
+  FLCOMM_NCCL_CHECK(ncclGetUniqueId(&id), nullptr);
+  return std::string(id.internal, NCCL_UNIQUE_ID_BYTES);
+}
+
+// ---- NcclWork ----
+
+NcclWork::NcclWork(std::shared_ptr<NcclCommState> comm, std::shared_ptr<NcclEvent> event,
+                   std::vector<at::Tensor> tensors)
+    : comm_(std::move(comm)), event_(std::move(event)), tensors_(std::move(tensors)) {}
+
+bool NcclWork::is_completed() {
+  NcclCommState& st = *comm_;
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (event_->done) return true;
+  TORCH_CHECK(event_->recorded, "NcclWork: the work of an open group completes with group_end(); call it first");
+  check_alive_locked(st, "NcclWork");
+  c10::cuda::CUDAGuard guard(event_->device);
+  if (event_->query()) return true;
+  ncclResult_t state = async_state_locked(st);
+  if (state != ncclSuccess && state != ncclInProgress) {
+    std::string msg = async_message_locked(st, state, "NcclWork");
+    abort_locked(st, msg);
+    throw std::runtime_error(msg);
+  }
+  return false;
+}
+
+bool NcclWork::wait(double timeout_s) {
+  NcclCommState& st = *comm_;
+  if (timeout_s < 0) timeout_s = st.timeout_s;
+  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+  for (int iter = 0;; ++iter) {
+    {
+      std::lock_guard<std::mutex> lock(st.mu);
+      if (event_->done) return true;
+      TORCH_CHECK(event_->recorded,
+                  "NcclWork.wait: the work of an open group completes with group_end(); call it first");
+      check_alive_locked(st, "NcclWork.wait");
+      c10::cuda::CUDAGuard guard(event_->device);
+      if (event_->query()) return true;
+      ncclResult_t state = async_state_locked(st);
+      if (state != ncclSuccess && state != ncclInProgress) {
+        std::string msg = async_message_locked(st, state, "NcclWork.wait");
+        abort_locked(st, msg);
+        throw std::runtime_error(msg);
+      }
+      if (Clock::now() > deadline) {
+        std::ostringstream os;
+        os << "NcclWork.wait: the collective on the " << where(st) << " did not complete within "
+           << timeout_s << " s (a peer is missing or stuck); the communicator was aborted";
+        abort_locked(st, os.str());
+        throw NcclTimeoutError(os.str());
+      }
+    }
+    sleep_backoff(iter);
+  }
+}
+
+// ---- NcclComm ----
+
+NcclComm::NcclComm(std::shared_ptr<NcclCommState> state) : st_(std::move(state)) {}
+
+NcclComm::NcclComm(const std::string& unique_id, int nranks, int rank, int device, double timeout_s) {
+  TORCH_CHECK(unique_id.size() == NCCL_UNIQUE_ID_BYTES, "NcclComm: unique_id must be ", NCCL_UNIQUE_ID_BYTES,
+              " bytes (from nccl_unique_id() on rank 0), got ", unique_id.size());
+  TORCH_CHECK(nranks >= 1, "NcclComm: nranks must be >= 1, got ", nranks);
+  TORCH_CHECK(rank >= 0 && rank < nranks, "NcclComm: rank must be in [0, ", nranks, "), got ", rank);
+  TORCH_CHECK(timeout_s > 0, "NcclComm: timeout_s must be > 0, got ", timeout_s);
+  int ndev = 0;
+  try {
+    FLCOMM_CUDA_CHECK(cudaGetDeviceCount(&ndev));
+  } catch (const std::exception& e) {
+    (void)cudaGetLastError();
+    TORCH_CHECK(false, "NcclComm needs a CUDA device, but CUDA reports none usable on this machine: ", e.what());
+  }
+  TORCH_CHECK(ndev > 0, "NcclComm needs a CUDA device, but none is visible");
+  TORCH_CHECK(device >= 0 && device < ndev, "NcclComm: device must be a CUDA device index in [0, ", ndev,
+              "), got ", device);
+
+  auto st = std::make_shared<NcclCommState>();
+  st->rank = rank;
+  st->size = nranks;
+  st->device = device;
+  st->timeout_s = timeout_s;
+  c10::cuda::CUDAGuard guard(device);
+  ncclUniqueId id;
+  std::memcpy(id.internal, unique_id.data(), NCCL_UNIQUE_ID_BYTES);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // NOTE: init returns at once; await_ready bounds the wait for peers
+  try {
+    FLCOMM_NCCL_CHECK(ncclCommInitRankConfig(&st->comm, nranks, id, rank, &config), nullptr);
+  } catch (...) {
+    if (st->comm != nullptr) (void)ncclCommAbort(st->comm);
+    st->comm = nullptr;
+    st->aborted = true;
+    throw;
+  }
+  await_ready(*st, "NcclComm init", timeout_s);
+  st_ = std::move(st);
+}
+
+NcclComm::~NcclComm() = default;  // NOTE: NcclCommState's destructor shuts NCCL down, once no
+                                  // work holds the state any more
+
+std::shared_ptr<NcclComm> NcclComm::split(int color, int key, double timeout_s) {
+  NcclCommState& st = *st_;
+  if (timeout_s < 0) timeout_s = st.timeout_s;
+  ncclComm_t child = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    check_alive_locked(st, "NcclComm.split");
+    TORCH_CHECK(st.group_depth == 0, "NcclComm.split: not allowed inside group_start()/group_end()");
+    c10::cuda::CUDAGuard guard(st.device);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    FLCOMM_NCCL_CHECK(ncclCommSplit(st.comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config), st.comm);
+  }
+  auto cst = std::make_shared<NcclCommState>();
+  cst->device = st.device;
+  cst->timeout_s = timeout_s;
+  cst->comm = child;
+  try {
+    // NOTE: the split is a collective of the parent: poll it (it is the only handle a rank with
+    // no color has), then the child's own init.
+    await_ready(st, "NcclComm.split", timeout_s);
+    if (child == nullptr) {
+      cst->destroyed = true;
+      return nullptr;
+    }
+    await_ready(*cst, "NcclComm.split (new communicator)", timeout_s);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(cst->mu);
+    abort_locked(*cst, "split failed");
+    throw;
+  }
+  FLCOMM_NCCL_CHECK(ncclCommUserRank(child, &cst->rank), child);
+  FLCOMM_NCCL_CHECK(ncclCommCount(child, &cst->size), child);
+  return std::make_shared<NcclComm>(std::move(cst));
+}
+
+namespace {
+
+// Issues one launch: checks the communicator, runs `issue(stream)` on the current stream of the
+// communicator's device under a device guard, waits out ncclInProgress (non-blocking mode) and
+// records the event the work waits on. Inside a group the work shares the group's event.
+template <typename Issue>
+std::shared_ptr<NcclWork> launch(const std::shared_ptr<NcclCommState>& sp, const std::string& what,
+                                 std::vector<at::Tensor> tensors, Issue issue) {
+  NcclCommState& st = *sp;
+  c10::cuda::CUDAGuard guard(st.device);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(st.device).stream();
+  std::shared_ptr<NcclEvent> event;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    check_alive_locked(st, what.c_str());
+    try {
+      issue(st.comm, stream);
+    } catch (const std::exception&) {
+      // NOTE: an argument error leaves the communicator usable; an asynchronous one does not.
+      ncclResult_t state = ncclSuccess;
+      if (ncclCommGetAsyncError(st.comm, &state) == ncclSuccess && state != ncclSuccess &&
+          state != ncclInProgress) {
+        abort_locked(st, async_message_locked(st, state, what));
+      }
+      throw;
+    }
+    if (st.group_depth > 0) return std::make_shared<NcclWork>(sp, st.group_event, std::move(tensors));
+  }
+  await_ready(st, what, st.timeout_s);
+  event = std::make_shared<NcclEvent>(st.device);
+  event->record(stream);
+  return std::make_shared<NcclWork>(sp, std::move(event), std::move(tensors));
+}
+
+}  // namespace
+
+std::shared_ptr<NcclWork> NcclComm::all_reduce(const at::Tensor& tensor, const std::string& op) {
+  const std::string what = "NcclComm.all_reduce";
+  check_tensor(*st_, tensor, "tensor", what);
+  ncclDataType_t dt = nccl_dtype(tensor.scalar_type(), what);
+  ncclRedOp_t rop = nccl_op(op, what);
+  void* ptr = tensor.data_ptr();
+  size_t count = tensor.numel();
+  return launch(st_, what, {tensor}, [&](ncclComm_t comm, cudaStream_t stream) {
+    FLCOMM_NCCL_CHECK(ncclAllReduce(ptr, ptr, count, dt, rop, comm, stream), comm);
+  });
+}
+
+std::shared_ptr<NcclWork> NcclComm::reduce_scatter(const at::Tensor& output, const at::Tensor& input,
+                                                   const std::string& op) {
+  const std::string what = "NcclComm.reduce_scatter";
+  check_pair(*st_, output, input, what);
+  TORCH_CHECK(input.numel() == output.numel() * st_->size, what, ": input must have size * output.numel() = ",
+              st_->size, " * ", output.numel(), " = ", output.numel() * st_->size, " elements, got ", input.numel());
+  ncclDataType_t dt = nccl_dtype(input.scalar_type(), what);
+  ncclRedOp_t rop = nccl_op(op, what);
+  const void* in = input.data_ptr();
+  void* out = output.data_ptr();
+  size_t count = output.numel();
+  return launch(st_, what, {output, input}, [&](ncclComm_t comm, cudaStream_t stream) {
+    FLCOMM_NCCL_CHECK(ncclReduceScatter(in, out, count, dt, rop, comm, stream), comm);
+  });
+}
+
+std::shared_ptr<NcclWork> NcclComm::all_gather(const at::Tensor& output, const at::Tensor& input) {
+  const std::string what = "NcclComm.all_gather";
+  check_pair(*st_, output, input, what);
+  TORCH_CHECK(output.numel() == input.numel() * st_->size, what, ": output must have size * input.numel() = ",
+              st_->size, " * ", input.numel(), " = ", input.numel() * st_->size, " elements, got ", output.numel());
+  ncclDataType_t dt = nccl_dtype(input.scalar_type(), what);
+  const void* in = input.data_ptr();
+  void* out = output.data_ptr();
+  size_t count = input.numel();
+  return launch(st_, what, {output, input}, [&](ncclComm_t comm, cudaStream_t stream) {
+    FLCOMM_NCCL_CHECK(ncclAllGather(in, out, count, dt, comm, stream), comm);
+  });
+}
+
+std::shared_ptr<NcclWork> NcclComm::all_to_all(const at::Tensor& output, const at::Tensor& input) {
+  const std::string what = "NcclComm.all_to_all";
+  check_pair(*st_, output, input, what);
+  const int n = st_->size;
+  TORCH_CHECK(output.numel() == input.numel(), what, ": output and input must have one size, got ",
+              output.numel(), " and ", input.numel(), " elements");
+  TORCH_CHECK(input.numel() % n == 0, what, ": ", input.numel(), " elements do not split into ", n,
+              " equal chunks");
+  ncclDataType_t dt = nccl_dtype(input.scalar_type(), what);
+  const char* in = static_cast<const char*>(input.data_ptr());
+  char* out = static_cast<char*>(output.data_ptr());
+  const size_t count = input.numel() / n;
+  const size_t chunk_bytes = count * input.element_size();
+  return launch(st_, what, {output, input}, [&](ncclComm_t comm, cudaStream_t stream) {
+    FLCOMM_NCCL_CHECK(ncclGroupStart(), comm);
+    try {
+      for (int peer = 0; peer < n; ++peer) {
+        FLCOMM_NCCL_CHECK(ncclSend(in + peer * chunk_bytes, count, dt, peer, comm, stream), comm);
+        FLCOMM_NCCL_CHECK(ncclRecv(out + peer * chunk_bytes, count, dt, peer, comm, stream), comm);
+      }
+    } catch (...) {
+      // NOTE: the group must be closed even on error, or the thread stays inside it.
+      (void)ncclGroupEnd();
+      throw;
+    }
+    FLCOMM_NCCL_CHECK(ncclGroupEnd(), comm);
+  });
+}
+
+std::shared_ptr<NcclWork> NcclComm::broadcast(const at::Tensor& tensor, int root) {
+  const std::string what = "NcclComm.broadcast";
+  check_tensor(*st_, tensor, "tensor", what);
+  TORCH_CHECK(root >= 0 && root < st_->size, what, ": root must be a rank in [0, ", st_->size, "), got ", root);
+  ncclDataType_t dt = nccl_dtype(tensor.scalar_type(), what);
+  void* ptr = tensor.data_ptr();
+  size_t count = tensor.numel();
+  return launch(st_, what, {tensor}, [&](ncclComm_t comm, cudaStream_t stream) {
+    FLCOMM_NCCL_CHECK(ncclBroadcast(ptr, ptr, count, dt, root, comm, stream), comm);
+  });
+}
+
+void NcclComm::group_start() {
+  NcclCommState& st = *st_;
+  std::lock_guard<std::mutex> lock(st.mu);
+  check_alive_locked(st, "NcclComm.group_start");
+  FLCOMM_NCCL_CHECK(ncclGroupStart(), st.comm);
+  if (st.group_depth++ == 0) st.group_event = std::make_shared<NcclEvent>(st.device);
+}
+
+std::shared_ptr<NcclWork> NcclComm::group_end() {
+  NcclCommState& st = *st_;
+  const std::string what = "NcclComm.group_end";
+  c10::cuda::CUDAGuard guard(st.device);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(st.device).stream();
+  std::shared_ptr<NcclEvent> event;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    TORCH_CHECK(st.group_depth > 0, what, ": no open group (call group_start() first)");
+    check_alive_locked(st, what.c_str());
+    const bool outermost = --st.group_depth == 0;
+    if (outermost) event = std::move(st.group_event);
+    FLCOMM_NCCL_CHECK(ncclGroupEnd(), st.comm);
+    if (!outermost) return nullptr;
+  }
+  await_ready(st, what, st.timeout_s);
+  event->record(stream);
+  return std::make_shared<NcclWork>(st_, std::move(event), std::vector<at::Tensor>{});
+}
+
+void NcclComm::abort() {
+  std::lock_guard<std::mutex> lock(st_->mu);
+  abort_locked(*st_, "abort() was called");
+}
+
+void NcclComm::destroy() {
+  NcclCommState& st = *st_;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    if (st.destroyed) return;
+    if (st.aborted) {  // NOTE: ncclCommAbort already freed everything
+      st.destroyed = true;
+      return;
+    }
+    TORCH_CHECK(st.group_depth == 0, "NcclComm.destroy: a group is open (call group_end() first)");
+    c10::cuda::CUDAGuard guard(st.device);
+    try {
+      FLCOMM_NCCL_CHECK(ncclCommFinalize(st.comm), st.comm);
+    } catch (const std::exception& e) {
+      abort_locked(st, e.what());
+      throw;
+    }
+  }
+  await_ready(st, "NcclComm.destroy (ncclCommFinalize)", st.timeout_s);
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (st.comm != nullptr) {
+    c10::cuda::CUDAGuard guard(st.device);
+    ncclComm_t comm = st.comm;
+    st.comm = nullptr;
+    st.destroyed = true;
+    FLCOMM_NCCL_CHECK(ncclCommDestroy(comm), nullptr);
+  }
+  st.destroyed = true;
+}
+
+int NcclComm::rank() const { return st_->rank; }
+int NcclComm::size() const { return st_->size; }
+int NcclComm::device() const { return st_->device; }
+double NcclComm::timeout() const { return st_->timeout_s; }
+bool NcclComm::is_aborted() const {
+  std::lock_guard<std::mutex> lock(st_->mu);
+  return st_->aborted;
+}
+bool NcclComm::is_destroyed() const {
+  std::lock_guard<std::mutex> lock(st_->mu);
+  return st_->destroyed;
+}
+std::string NcclComm::repr() const {
+  std::ostringstream os;
+  os << "NcclComm(rank=" << st_->rank << ", size=" << st_->size << ", device=cuda:" << st_->device
+     << (is_aborted() ? ", aborted" : "") << (is_destroyed() ? ", destroyed" : "") << ")";
+  return os.str();
+}
+
+#else  // !FLCOMM_WITH_NCCL: same names, every call says how to get NCCL
+
+struct NcclCommState {};
+struct NcclEvent {};
+
+namespace {
+[[noreturn]] void no_nccl() {
+  throw std::runtime_error(
+#ifdef FLCOMM_WITH_CUDA
+      "flcomm was built without NCCL (nccl.h was not found at build time), so the NCCL communicator "
+      "is unavailable. Install the NCCL torch uses (pip install nvidia-nccl-cu13, or set NCCL_HOME) and "
+      "rebuild: `pip install --no-build-isolation -e .`"
+#else
+      "flcomm was built without NCCL (a CPU-only build: no CUDA build of torch, no CUDA toolkit, or "
+      "FLCOMM_CUDA=0), so the NCCL communicator is unavailable. Rebuild against a CUDA build of torch "
+      "with CUDA_HOME set and the nvidia-nccl wheel installed: "
+      "`CUDA_HOME=/usr/local/cuda FLCOMM_CUDA=1 pip install --no-build-isolation -e .`"
+#endif
+  );
+}
+}  // namespace
+
+std::string nccl_unique_id() { no_nccl(); }
+NcclWork::NcclWork(std::shared_ptr<NcclCommState> comm, std::shared_ptr<NcclEvent> event,
+                   std::vector<at::Tensor> tensors)
+    : comm_(std::move(comm)), event_(std::move(event)), tensors_(std::move(tensors)) {}
+bool NcclWork::wait(double) { no_nccl(); }
+bool NcclWork::is_completed() { no_nccl(); }
+NcclComm::NcclComm(std::shared_ptr<NcclCommState> state) : st_(std::move(state)) {}
+NcclComm::NcclComm(const std::string&, int, int, int, double) { no_nccl(); }
+NcclComm::~NcclComm() = default;
+std::shared_ptr<NcclComm> NcclComm::split(int, int, double) { no_nccl(); }
+std::shared_ptr<NcclWork> NcclComm::all_reduce(const at::Tensor&, const std::string&) { no_nccl(); }
+std::shared_ptr<NcclWork> NcclComm::reduce_scatter(const at::Tensor&, const at::Tensor&, const std::string&) {
+  no_nccl();
+}
+std::shared_ptr<NcclWork> NcclComm::all_gather(const at::Tensor&, const at::Tensor&) { no_nccl(); }
+std::shared_ptr<NcclWork> NcclComm::all_to_all(const at::Tensor&, const at::Tensor&) { no_nccl(); }
+std::shared_ptr<NcclWork> NcclComm::broadcast(const at::Tensor&, int) { no_nccl(); }
+void NcclComm::group_start() { no_nccl(); }
+std::shared_ptr<NcclWork> NcclComm::group_end() { no_nccl(); }
+void NcclComm::abort() { no_nccl(); }
+void NcclComm::destroy() { no_nccl(); }
+int NcclComm::rank() const { no_nccl(); }
+int NcclComm::size() const { no_nccl(); }
+int NcclComm::device() const { no_nccl(); }
+double NcclComm::timeout() const { no_nccl(); }
+bool NcclComm::is_aborted() const { no_nccl(); }
+bool NcclComm::is_destroyed() const { no_nccl(); }
+std::string NcclComm::repr() const { no_nccl(); }
+
+#endif  // FLCOMM_WITH_NCCL
+
+}  // namespace flcomm

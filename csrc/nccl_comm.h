@@ -1,0 +1,103 @@
+// The native NCCL communicator: NCCL called directly, on the caller's current CUDA stream, with
+// every return code checked and a timeout (async-error polling + ncclCommAbort) on everything
+// that waits for peers, so a dead peer gives an exception instead of a hang.
+//
+// The declarations here do not depend on nccl.h: the state lives behind a pointer, and a build
+// without NCCL (FLCOMM_WITH_NCCL undefined) compiles the same names, whose calls throw an error
+// that says how to build with NCCL.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+namespace flcomm {
+
+// Raised when a communicator init or a collective does not complete within its timeout (the
+// communicator has been aborted by then). Bound as flcomm._C.NcclTimeoutError(TimeoutError).
+struct NcclTimeoutError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct NcclCommState;  // the ncclComm_t and its flags (nccl_comm.cpp)
+struct NcclEvent;      // a CUDA event recorded after a launch (nccl_comm.cpp)
+
+// Bytes of an ncclUniqueId (NCCL_UNIQUE_ID_BYTES).
+constexpr int kNcclUniqueIdBytes = 128;
+
+// ncclGetUniqueId(): 128 bytes for rank 0 to share with the others. Needs no GPU.
+std::string nccl_unique_id();
+
+// Handle of one launch (or of one ncclGroupStart/End block). Keeps the communicator and the
+// tensors alive until it is destroyed.
+class NcclWork {
+ public:
+  NcclWork(std::shared_ptr<NcclCommState> comm, std::shared_ptr<NcclEvent> event,
+           std::vector<at::Tensor> tensors);
+  // Blocks until the launch has completed on the GPU: polls cudaEventQuery and
+  // ncclCommGetAsyncError. On an NCCL error or after `timeout_s` (< 0: the communicator's
+  // timeout) aborts the communicator and throws (NcclTimeoutError on timeout). Returns true.
+  bool wait(double timeout_s = -1.0);
+  // Non-blocking: whether the launch has completed; throws on an NCCL error (after aborting).
+  bool is_completed();
+
+ private:
+  std::shared_ptr<NcclCommState> comm_;
+  std::shared_ptr<NcclEvent> event_;
+  std::vector<at::Tensor> tensors_;
+};
+
+// One NCCL communicator on one CUDA device.
+class NcclComm {
+ public:
+  // Collective over the `nranks` processes that pass the same `unique_id`. Non-blocking init
+  // (ncclConfig_t.blocking = 0) polled with ncclCommGetAsyncError: a peer that does not join
+  // within `timeout_s` gives ncclCommAbort and NcclTimeoutError.
+  NcclComm(const std::string& unique_id, int nranks, int rank, int device, double timeout_s);
+  ~NcclComm();
+
+  // ncclCommSplit: ranks passing one `color` form a new communicator, ordered by `key` (ties
+  // by rank); color < 0 (NCCL_SPLIT_NOCOLOR) joins none and gets nullptr (None). Collective.
+  std::shared_ptr<NcclComm> split(int color, int key, double timeout_s = -1.0);
+
+  // Collectives, launched on the current CUDA stream of the communicator's device. `op` is
+  // "sum", "avg", "max" or "min". Every check runs before anything is issued. Inside a
+  // group_start()/group_end() block the returned work completes with the block's group_end().
+  std::shared_ptr<NcclWork> all_reduce(const at::Tensor& tensor, const std::string& op);
+  std::shared_ptr<NcclWork> reduce_scatter(const at::Tensor& output, const at::Tensor& input,
+                                           const std::string& op);
+  std::shared_ptr<NcclWork> all_gather(const at::Tensor& output, const at::Tensor& input);
+  // Chunk j of `input` goes to rank j, chunk i of `output` comes from rank i (ncclSend/ncclRecv
+  // per peer inside one group).
+  std::shared_ptr<NcclWork> all_to_all(const at::Tensor& output, const at::Tensor& input);
+  std::shared_ptr<NcclWork> broadcast(const at::Tensor& tensor, int root);
+
+  void group_start();
+  // Ends the innermost block; the outermost one launches the block and returns its work
+  // (nullptr for an inner one).
+  std::shared_ptr<NcclWork> group_end();
+
+  // ncclCommAbort: drops outstanding work; the communicator is unusable afterwards.
+  void abort();
+  // ncclCommFinalize (bounded by the timeout, else abort) + ncclCommDestroy. Idempotent; also
+  // run on destruction.
+  void destroy();
+
+  int rank() const;
+  int size() const;
+  int device() const;
+  double timeout() const;
+  bool is_aborted() const;
+  bool is_destroyed() const;
+  std::string repr() const;
+
+  explicit NcclComm(std::shared_ptr<NcclCommState> state);  // used by split()
+
+ private:
+  std::shared_ptr<NcclCommState> st_;
+};
+
+}  // namespace flcomm

@@ -1,0 +1,374 @@
+"""The native NCCL communicator on GPUs (skipped without one; see tests/conftest.py).
+
+``gpu``: size-1 communicators on one GPU: every op and dtype against the expected result (the
+input itself), stream ordering, async work, groups, split, input checks, and the timeout/abort
+paths (in a child process, so an aborted communicator cannot disturb the other tests).
+``multigpu``: two spawned ranks, NcclTransport against torch.distributed's NCCL backend and an
+exact float64 reference.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from flcomm import _native
+from tests.dist import run_distributed
+
+pytestmark = pytest.mark.skipif(
+    not (_native.available() and _native.native().compiled_with_nccl()),
+    reason="flcomm built without NCCL")
+
+
+def C():
+    return _native.native()
+
+
+INT_DTYPES = [torch.int8, torch.uint8, torch.int32, torch.int64]
+FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def fp8_dtypes() -> list[torch.dtype]:
+    if not _native.available() or _native.native().nccl_version_compiled() < 22400:
+        return []
+    return [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def all_dtypes() -> list[torch.dtype]:
+    return FLOAT_DTYPES + INT_DTYPES + fp8_dtypes()
+
+
+def sample(dtype: torch.dtype, n: int, seed: int, device: str | torch.device = "cuda") -> torch.Tensor:
+    """Values every dtype holds exactly, and whose sums over a few ranks do not overflow."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        x = torch.randn(n, generator=g, dtype=torch.float64)
+        if dtype.itemsize == 1:  # fp8: a small range, converted through float32
+            return x.clamp(-8, 8).float().to(dtype).to(device)
+    else:
+        lo, hi = (0, 50) if dtype == torch.uint8 else (-30, 30)
+        x = torch.randint(lo, hi, (n,), generator=g, dtype=torch.int64)
+    return x.to(dtype).to(device)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.fixture(scope="module")
+def comm():
+    c = C().NcclComm(C().nccl_unique_id(), 1, 0, 0, 60.0)
+    yield c
+    c.destroy()
+    assert c.is_destroyed
+
+
+# ---- one GPU, size-1 communicators ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", all_dtypes(), ids=str)
+def test_size1_every_op_and_dtype(comm, dtype):
+    """With one rank every collective returns its input: checked bit for bit."""
+    assert (comm.rank, comm.size, comm.device) == (0, 1, 0)
+    x = sample(dtype, 4099, seed=1)
+    ops = ["sum", "max", "min"] + (["avg"] if dtype.is_floating_point else [])
+    for op in ops:
+        y = x.clone()
+        assert comm.all_reduce(y, op).wait() is True
+        assert bits_equal(y, x), f"all_reduce {op} {dtype}"
+        out = torch.empty_like(x)
+        comm.reduce_scatter(out, x, op).wait()
+        assert bits_equal(out, x), f"reduce_scatter {op} {dtype}"
+    out = torch.empty_like(x)
+    comm.all_gather(out, x).wait()
+    assert bits_equal(out, x), f"all_gather {dtype}"
+    out = torch.empty_like(x)
+    comm.all_to_all(out, x).wait()
+    assert bits_equal(out, x), f"all_to_all {dtype}"
+    y = x.clone()
+    comm.broadcast(y, 0).wait()
+    assert bits_equal(y, x), f"broadcast {dtype}"
+
+
+@pytest.mark.gpu
+def test_launches_on_the_current_stream(comm):
+    """On a side stream, a kernel that sleeps, then a fill, then the all_gather: the gather must
+    see the fill, i.e. it ran after it on the same stream, and wait() waits for it."""
+    x = torch.zeros(1 << 20, device="cuda")
+    out = torch.empty_like(x)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # NOTE: ~50 ms, so a launch on another stream reads zeros
+        x.fill_(3.0)
+        work = comm.all_gather(out, x)
+    assert work.wait(30.0)
+    assert work.is_completed()
+    assert torch.all(out == 3.0).item()
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_async_work(comm):
+    x = sample(torch.float32, 1 << 16, seed=2)
+    y = x.clone()
+    torch.cuda._sleep(20_000_000)
+    work = comm.all_reduce(y, "sum")
+    assert isinstance(work.is_completed(), bool)
+    assert work.wait() and work.wait() and work.is_completed()
+    assert bits_equal(y, x)
+
+
+@pytest.mark.gpu
+def test_group(comm):
+    a, b = sample(torch.float32, 1000, seed=3), sample(torch.int32, 777, seed=4)
+    a2, out = a.clone(), torch.empty_like(b)
+    comm.group_start()
+    w1 = comm.all_reduce(a2, "sum")
+    w2 = comm.all_gather(out, b)
+    with pytest.raises(RuntimeError, match="group_end"):
+        w1.wait()
+    comm.group_start()  # nested: the inner end launches nothing
+    w3 = comm.broadcast(b.clone(), 0)
+    assert comm.group_end() is None
+    wg = comm.group_end()
+    assert wg.wait() and w1.wait() and w2.wait() and w3.wait()
+    assert bits_equal(a2, a) and bits_equal(out, b)
+    with pytest.raises(RuntimeError, match="no open group"):
+        comm.group_end()
+
+
+@pytest.mark.gpu
+def test_split(comm):
+    child = comm.split(7, 0)
+    assert (child.rank, child.size, child.device) == (0, 1, 0)
+    x = sample(torch.bfloat16, 100, seed=5)
+    y = x.clone()
+    child.all_reduce(y, "avg").wait()
+    assert bits_equal(y, x)
+    child.destroy()
+    child.destroy()  # idempotent
+    with pytest.raises(RuntimeError, match="destroyed"):
+        child.all_reduce(y, "sum")
+    assert comm.split(-1, 0) is None
+
+
+@pytest.mark.gpu
+def test_input_checks(comm):
+    x = torch.zeros(8, device="cuda")
+    bad = [
+        (lambda: comm.all_reduce(torch.zeros(8), "sum"), r"must be on cuda:0 .*got cpu"),
+        (lambda: comm.all_reduce(torch.zeros(4, 4, device="cuda").t(), "sum"), "contiguous"),
+        (lambda: comm.all_reduce(x, "prod"), "op must be one of sum, avg, max, min; got 'prod'"),
+        (lambda: comm.all_reduce(torch.zeros(8, device="cuda", dtype=torch.complex64), "sum"), "dtype must be one of"),
+        (lambda: comm.all_reduce(torch.zeros(8, device="cuda", dtype=torch.bool), "sum"), "dtype must be one of"),
+        (lambda: comm.reduce_scatter(torch.zeros(4, device="cuda"), x, "sum"), "input must have size"),
+        (lambda: comm.reduce_scatter(torch.zeros(8, device="cuda", dtype=torch.half), x, "sum"), "one dtype"),
+        (lambda: comm.all_gather(torch.zeros(9, device="cuda"), x), "output must have size"),
+        (lambda: comm.all_to_all(torch.zeros(4, device="cuda"), x), "one size"),
+        (lambda: comm.broadcast(x, 1), r"root must be a rank in \[0, 1\), got 1"),
+    ]
+    for call, msg in bad:
+        with pytest.raises(RuntimeError, match=msg):
+            call()
+    # the communicator is still usable after rejected input
+    y = x.clone().fill_(2)
+    comm.all_reduce(y, "sum").wait()
+    assert torch.all(y == 2).item()
+
+
+def _timeouts(rank: int, world: int) -> dict:
+    """Child process: an init whose peer never comes, and a wait on work stuck behind a kernel."""
+    C = _native.native()
+    res = {}
+    t0 = time.monotonic()
+    try:
+        C.NcclComm(C.nccl_unique_id(), 2, 0, 0, 3.0)
+        res["init"] = "no error"
+    except TimeoutError as e:
+        res["init"] = f"{type(e).__name__}: {e}"
+    res["init_s"] = time.monotonic() - t0
+
+    comm = C.NcclComm(C.nccl_unique_id(), 1, 0, 0, 30.0)
+    x = torch.ones(1024, device="cuda")
+    torch.cuda._sleep(4_000_000_000)  # NOTE: ~2 s of GPU time ahead of the collective
+    work = comm.all_reduce(x, "sum")
+    try:
+        work.wait(0.2)
+        res["wait"] = "no error"
+    except TimeoutError as e:
+        res["wait"] = f"{type(e).__name__}: {e}"
+    res["aborted"] = comm.is_aborted
+    try:
+        comm.all_reduce(x, "sum")
+        res["after"] = "no error"
+    except RuntimeError as e:
+        res["after"] = str(e)
+    try:
+        work.wait(1.0)
+        res["rewait"] = "no error"
+    except RuntimeError as e:
+        res["rewait"] = str(e)
+    comm.destroy()  # after an abort: nothing left to free
+    torch.cuda.synchronize()
+
+    # the transport: its wait carries the same timeout
+    from flcomm.comm.nccl import NcclTransport
+
+    t = NcclTransport(C.NcclComm(C.nccl_unique_id(), 1, 0, 0, 30.0), timeout=timedelta(seconds=0.2))
+    torch.cuda._sleep(4_000_000_000)
+    try:
+        t.all_reduce(x)
+        res["transport"] = "no error"
+    except TimeoutError as e:
+        res["transport"] = f"{type(e).__name__}: {e}"
+    torch.cuda.synchronize()
+    return res
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_timeout_and_abort():
+    res = run_distributed(_timeouts, 1, timeout=90)[0]
+    assert res["init"].startswith("NcclTimeoutError") and "did not complete within 3 s" in res["init"], res
+    assert res["init_s"] >= 3.0, res
+    assert res["wait"].startswith("NcclTimeoutError") and "aborted" in res["wait"], res
+    assert res["aborted"] is True
+    assert "was aborted" in res["after"], res
+    assert "was aborted" in res["rewait"], res
+    assert res["transport"].startswith("NcclTimeoutError"), res
+
+
+def _size1_transport(rank: int, world: int) -> list[str]:
+    """NcclTransport.from_group on a 1-rank NCCL group against TorchTransport on the same group."""
+    from flcomm.comm.base import CommStats
+    from flcomm.comm.nccl import NcclTransport
+    from flcomm.comm.torch_pg import TorchTransport
+
+    torch.cuda.set_device(0)
+    ours = NcclTransport.from_group(stats=CommStats(), tier="inter_group")
+    ref = TorchTransport(stats=CommStats(), tier="inter_group")
+    _compare(ours, ref, rank, world)
+    assert ours.stats.snapshot() != {} and ours.stats.bytes("inter_group") == ref.stats.bytes("inter_group")
+    ours.close()
+    return ["ok"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_transport_from_group_one_rank():
+    assert run_distributed(_size1_transport, 1, timeout=90, backend="nccl") == [["ok"]]
+
+
+# ---- two GPUs ----
+
+def _reference(dtype: torch.dtype, n: int, world: int, op: str) -> torch.Tensor:
+    xs = torch.stack([sample(dtype, n, seed=100 + r, device="cpu").double() for r in range(world)])
+    if op == "sum":
+        return xs.sum(0)
+    if op == "avg":
+        return xs.mean(0)
+    return xs.max(0).values
+
+
+def _compare(ours, ref, rank: int, world: int) -> None:
+    """Every collective of ``ours`` against ``ref`` (torch.distributed) and a float64 reference."""
+    from torch.testing import assert_close
+
+    n = 3 * world * 256
+    for dtype in FLOAT_DTYPES + INT_DTYPES:
+        x = sample(dtype, n, seed=100 + rank)
+        ops = ["sum", "max"] + (["avg"] if dtype.is_floating_point else [])
+        for op in ops:
+            a, b = x.clone(), x.clone()
+            ours.all_reduce(a, op=op)
+            ref.all_reduce(b, op=op)
+            expect = _reference(dtype, n, world, op).to(dtype).cuda()
+            assert_close(a, expect, msg=lambda m: f"all_reduce {op} {dtype}: {m}")
+            assert_close(a, b, msg=lambda m: f"all_reduce {op} {dtype} vs torch: {m}")
+            a, b = torch.empty(n // world, dtype=dtype, device="cuda"), torch.empty(n // world, dtype=dtype, device="cuda")
+            w = ours.reduce_scatter(a, x, op=op, async_op=True)
+            ref.reduce_scatter(b, x, op=op)
+            w.wait()
+            chunk = slice(rank * (n // world), (rank + 1) * (n // world))
+            assert_close(a, expect[chunk], msg=lambda m: f"reduce_scatter {op} {dtype}: {m}")
+            assert_close(a, b, msg=lambda m: f"reduce_scatter {op} {dtype} vs torch: {m}")
+    for dtype in all_dtypes():
+        x = sample(dtype, 1000, seed=200 + rank)
+        gathered = torch.cat([sample(dtype, 1000, seed=200 + r) for r in range(world)])
+        a = torch.empty(1000 * world, dtype=dtype, device="cuda")
+        ours.all_gather(a, x)
+        assert bits_equal(a, gathered), f"all_gather {dtype}"
+        y = sample(dtype, 250 * world, seed=300 + rank * 10)
+        out = torch.empty_like(y)
+        ours.all_to_all(out, y)
+        expect = torch.cat([sample(dtype, 250 * world, seed=300 + r * 10)[rank * 250:(rank + 1) * 250]
+                            for r in range(world)])
+        assert bits_equal(out, expect), f"all_to_all {dtype}"
+        if dtype in FLOAT_DTYPES + INT_DTYPES:
+            out_ref = torch.empty_like(y)
+            ref.all_to_all(out_ref, y)
+            assert bits_equal(out, out_ref), f"all_to_all {dtype} vs torch"
+        z = x.clone()
+        ours.broadcast(z, src=world - 1)
+        assert bits_equal(z, sample(dtype, 1000, seed=200 + world - 1)), f"broadcast {dtype}"
+
+
+def _two_ranks(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from flcomm.comm.base import CommStats
+    from flcomm.comm.nccl import NcclTransport
+    from flcomm.comm.torch_pg import TorchTransport
+
+    torch.cuda.set_device(rank)
+    ours = NcclTransport.from_group(stats=CommStats(), tier="inter_node")
+    ref = TorchTransport(stats=CommStats(), tier="inter_node")
+    _compare(ours, ref, rank, world)
+    res = {"bytes": (ours.stats.bytes("inter_node"), ref.stats.bytes("inter_node"))}
+
+    # split: one communicator per rank, then one with the order reversed by key
+    alone = ours.split(color=rank)
+    res["alone"] = (alone.rank, alone.size)
+    rev = ours.split(color=0, key=world - 1 - rank)
+    res["rev"] = (rev.rank, rev.size)
+    t = torch.full((4,), float(rank), device="cuda")
+    rev.broadcast(t, src=0)  # new rank 0 is the old last rank
+    res["rev_bcast"] = t[0].item()
+    alone.close()
+    rev.close()
+
+    # a peer that never joins the collective: rank 0 times out, then rank 1 aborts
+    C = _native.native()
+    from flcomm.comm.nccl import exchange_unique_id
+
+    comm = C.NcclComm(exchange_unique_id(), world, rank, rank, 3.0)
+    if rank == 0:
+        try:
+            comm.all_reduce(torch.ones(1 << 20, device="cuda"), "sum").wait(3.0)
+            res["timeout"] = "no error"
+        except TimeoutError as e:
+            res["timeout"] = f"{type(e).__name__}: {e}"
+        res["aborted"] = comm.is_aborted
+    dist.barrier()
+    if rank != 0:
+        comm.abort()
+    torch.cuda.synchronize()
+    ours.close()
+    return res
+
+
+@pytest.mark.multigpu
+@pytest.mark.timeout(240)
+def test_two_ranks_against_torch_nccl():
+    r0, r1 = run_distributed(_two_ranks, 2, timeout=180, backend="nccl")
+    for r, res in enumerate((r0, r1)):
+        assert res["bytes"][0] == res["bytes"][1] > 0, res
+        assert res["alone"] == (0, 1), res
+        assert res["rev"] == (1 - r, 2), res
+        assert res["rev_bcast"] == 1.0, res
+    assert r0["timeout"].startswith("NcclTimeoutError"), r0
+    assert r0["aborted"] is True
