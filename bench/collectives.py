@@ -56,6 +56,18 @@ def _default_codecs() -> list[str]:
     return ["int8"]
 
 
+def _require_native() -> type:
+    """The NcclTransport class, or SystemExit saying why the native transport cannot run."""
+    try:
+        from flcomm.comm.nccl import NcclTransport, nccl_available
+    except ImportError as e:
+        raise SystemExit(f"--transport native: flcomm.comm.nccl cannot be imported ({e})") from e
+    ok, reason = nccl_available()
+    if not ok:
+        raise SystemExit(f"--transport native is unavailable here: {reason}")
+    return NcclTransport
+
+
 def make_transports(name: str, env: Env, mesh, stats) -> dict[str, object]:
     """{"flat", "intra", "inter"} transports of kind ``name`` on the mesh's shard groups."""
     groups = {"flat": "shard", "intra": "shard_intra", "inter": "shard_inter"}
@@ -64,13 +76,7 @@ def make_transports(name: str, env: Env, mesh, stats) -> dict[str, object]:
 
         return {k: TorchTransport(mesh.groups[g], mesh.tier(g), stats, env.timeout) for k, g in groups.items()}
     if name == "native":
-        try:
-            from flcomm.comm.nccl import NcclTransport, nccl_available
-        except ImportError as e:
-            raise SystemExit(f"--transport native: flcomm.comm.nccl cannot be imported ({e})") from e
-        ok, reason = nccl_available()
-        if not ok:
-            raise SystemExit(f"--transport native is unavailable here: {reason}")
+        NcclTransport = _require_native()
         if env.device.type != "cuda":
             raise SystemExit("--transport native needs GPUs (run under torchrun with the nccl backend)")
         return {k: NcclTransport.from_group(mesh.groups[g], mesh.tier(g), stats, env.timeout)
@@ -225,13 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         args.codecs = _default_codecs()
     args.codecs = [c for c in args.codecs if c != "none"]
     if "native" in args.transport:  # fail before starting any rank
-        try:
-            from flcomm.comm.nccl import nccl_available
-        except ImportError as e:
-            raise SystemExit(f"--transport native: flcomm.comm.nccl cannot be imported ({e})") from e
-        ok, reason = nccl_available()
-        if not ok:
-            raise SystemExit(f"--transport native is unavailable here: {reason}")
+        _require_native()
     launch(args, run)
 
 

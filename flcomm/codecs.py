@@ -105,12 +105,7 @@ def get_codec(name_or_codec: str | Codec, **kwargs: Any) -> Codec:
 
 
 def _check_input(x: Tensor) -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"codec input must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != torch.float32:
-        raise TypeError(f"codec input must be float32, got {x.dtype} (cast it, e.g. x.float())")
-    if not x.is_contiguous():
-        raise ValueError(f"codec input must be contiguous, got shape {tuple(x.shape)} strides {x.stride()}")
+    kernels.check_fp32("codec input", x, hint=" (cast it, e.g. x.float())")
 
 
 @register_codec
@@ -138,12 +133,12 @@ class NoneCodec(Codec):
         vals = buf.view(torch.float32)
         if out is None:
             return vals.clone()
-        kernels._check_fp32("out", out)
+        kernels.check_fp32("out", out)
         out.view(-1).copy_(vals)
         return out
 
     def decode_accumulate(self, buf: Tensor, numel: int, acc: Tensor) -> None:
-        kernels._check_fp32("acc", acc)
+        kernels.check_fp32("acc", acc)
         kernels._check_buf("buf", buf, 4 * numel, acc.device)
         acc.view(-1).add_(buf.view(torch.float32))
 

@@ -103,11 +103,13 @@ def split_encoded(buf: Tensor, numel: int, fmt: str, block_size: int) -> tuple[T
 
 
 # ---- input checks ----
-def _check_fp32(name: str, t: Tensor) -> None:
+def check_fp32(name: str, t: Tensor, hint: str = "") -> None:
+    """A contiguous float32 tensor, or TypeError/ValueError naming ``name``, what was expected
+    and what came (``hint`` is appended to a dtype error)."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.float32:
-        raise TypeError(f"{name} must be float32, got {t.dtype}")
+        raise TypeError(f"{name} must be float32, got {t.dtype}{hint}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
 
@@ -172,7 +174,7 @@ def quantize(x: Tensor, out: Tensor | None = None, *, fmt: str, block_size: int 
              backend: str | None = None) -> Tensor:
     """Encode fp32 ``x`` (any shape, contiguous) into ``out`` (uint8, ``encoded_nbytes``)."""
     check_format(fmt, block_size)
-    _check_fp32("x", x)
+    check_fp32("x", x)
     nbytes = encoded_nbytes(x.numel(), fmt, block_size)
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
@@ -194,7 +196,7 @@ def dequantize(buf: Tensor, numel: int, out: Tensor | None = None, *, fmt: str,
         if accumulate:
             raise ValueError("accumulate=True needs an `out` tensor to accumulate into")
         out = torch.empty(numel, dtype=torch.float32, device=buf.device)
-    _check_fp32("out", out)
+    check_fp32("out", out)
     if out.numel() != numel:
         raise ValueError(f"out must have numel={numel} elements, got {out.numel()}")
     _check_buf("buf", buf, encoded_nbytes(numel, fmt, block_size), out.device)
@@ -214,8 +216,8 @@ def quantize_error_feedback(x: Tensor, residual: Tensor, out: Tensor | None = No
     3. ``residual = y - dequant(out)`` (what the encoding dropped; carried to the next round).
     """
     check_format(fmt, block_size)
-    _check_fp32("x", x)
-    _check_fp32("residual", residual)
+    check_fp32("x", x)
+    check_fp32("residual", residual)
     _check_same("residual", residual, x)
     nbytes = encoded_nbytes(x.numel(), fmt, block_size)
     if out is None:

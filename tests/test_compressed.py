@@ -279,7 +279,7 @@ def _errors_body(rank: int, world: int) -> list[str]:
 
 def test_bad_inputs(run3):
     msgs = run3[0]["errors"]
-    assert "float32 tensor, got torch.float64" in msgs[0]
+    assert "tensor must be float32, got torch.float64" in msgs[0]
     assert "contiguous" in msgs[1]
     assert "only sum and avg, got max" in msgs[2]
     assert "known codecs" in msgs[3]

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from flcomm.codecs import Codec, get_codec
 from flcomm.comm.base import ReduceOp, Transport, Work
+from flcomm.kernels import check_fp32
 
 __all__ = ["CompressedWork", "TwoHopPlan", "compressed_all_reduce", "compressed_wire_bytes"]
 
@@ -205,12 +206,7 @@ class CompressedWork:
 def _check_inputs(transport: Transport, tensor: Tensor, residual: Tensor | None) -> None:
     if not isinstance(transport, Transport):
         raise TypeError(f"transport must be a flcomm Transport, got {type(transport).__name__}")
-    if not isinstance(tensor, Tensor):
-        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype != torch.float32:
-        raise TypeError(f"compressed_all_reduce needs a float32 tensor, got {tensor.dtype}")
-    if not tensor.is_contiguous():
-        raise ValueError(f"tensor must be contiguous, got shape {tuple(tensor.shape)} strides {tensor.stride()}")
+    check_fp32("compressed_all_reduce: tensor", tensor)
     if tensor.device.type != transport.device.type:
         raise ValueError(f"tensor must be on the transport's device type ({transport.device.type}), "
                          f"got {tensor.device}")
