@@ -197,6 +197,12 @@ class TrainConfig:
         return [f.name for f in fields(cls)]
 
 
+def _one_node(L: int, n: int) -> int:
+    """The default size of a sub-group of ``n`` ranks: one node of ``L``, or half of them when
+    they all sit on one node (so there are still two sub-groups)."""
+    return L if L < n else max(1, n // 2)
+
+
 def resolve_topology(cfg: TrainConfig, world_size: int, local_world_size: int | None = None) -> Topology:
     """The strategy's Topology for ``world_size`` ranks, with defaults for what was not given.
 
@@ -222,19 +228,19 @@ def resolve_topology(cfg: TrainConfig, world_size: int, local_world_size: int | 
                 raise ValueError(f"fsdp shards over all {P} ranks; got shard_size {S} (use hsdp)")
             S = G
         elif S is None:
-            S = L if L < P else max(1, P // 2)
+            S = _one_node(L, P)
     else:
         if G is None:
             if cfg.strategy == "fl-hsdp" and 2 * L < P and P % (2 * L) == 0:
                 G = 2 * L  # NOTE: two nodes per group, so HSDP's shard group is one node
             else:
-                G = L if L < P else max(1, P // 2)
+                G = _one_node(L, P)
         if cfg.strategy == "fl-fsdp":
             if S is not None and S != G:
                 raise ValueError(f"fl-fsdp shards over the whole group of {G}; got shard_size {S} (use fl-hsdp)")
             S = G
         elif S is None:
-            S = L if L < G else max(1, G // 2)
+            S = _one_node(L, G)
     topo = Topology(P, L, G, S)  # NOTE: raises with the numbers when something does not divide
     if cfg.federated and not topo.federated:
         raise ValueError(f"{cfg.strategy} needs at least two federation groups, but group_size {G} "
