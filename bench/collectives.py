@@ -48,14 +48,6 @@ from bench.common import (DTYPES, HEADER, Env, Record, add_common_args, format_r
 COLLECTIVES = ("reduce_scatter", "all_gather", "all_reduce")
 
 
-def _default_codecs() -> list[str]:
-    try:
-        import flcomm.collectives.compressed  # noqa: F401
-    except ImportError:
-        return []
-    return ["int8"]
-
-
 def _require_native() -> type:
     """The NcclTransport class, or SystemExit saying why the native transport cannot run."""
     try:
@@ -105,12 +97,12 @@ def _err(got: torch.Tensor, want: torch.Tensor) -> float:
 def run(env: Env, args: argparse.Namespace) -> None:
     from flcomm.collectives.hierarchical import Hierarchy
     from flcomm.comm.base import CommStats, LinkTier
-    from flcomm.federated.topology import Topology
+    from flcomm.federated.strategy import Strategy
 
     dtype = DTYPES[args.dtype]
     esize = torch.tensor([], dtype=dtype).element_size()
     P, L = env.world, env.ranks_per_node
-    mesh = Topology.fsdp(P, L).build(device_type=env.device.type, timeout=env.timeout)
+    mesh = Strategy.FSDP.topology(P, L).build(device_type=env.device.type, timeout=env.timeout)
     dev = env.device
     records: list[Record] = []
     say = print if env.rank == 0 else (lambda *a, **k: None)
@@ -228,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--op", choices=("sum", "max"), default="sum")
     args = p.parse_args(argv)
     if args.codecs is None:
-        args.codecs = _default_codecs()
+        args.codecs = ["int8"]
     args.codecs = [c for c in args.codecs if c != "none"]
     if "native" in args.transport:  # fail before starting any rank
         _require_native()

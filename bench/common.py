@@ -32,12 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python bench/x.py` from anywhere
     sys.path.insert(0, ROOT)
 
-BUSBW_FACTOR: dict[str, Callable[[int], float]] = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-}
+from flcomm.comm.base import bus_factor  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
           "bfloat16": torch.bfloat16, "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
@@ -218,7 +213,7 @@ def make_record(collective: str, algo: str, transport: str, env: Env, nbytes: in
     algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0
     return Record(collective=collective, algo=algo, transport=transport, world=n, size_bytes=nbytes,
                   dtype=_SHORT.get(dtype, str(dtype)), time_us=seconds * 1e6, algbw_gbps=algbw,
-                  busbw_gbps=algbw * BUSBW_FACTOR[collective](n), wire_bytes=int(wire), max_err=max_err,
+                  busbw_gbps=algbw * bus_factor(collective, n), wire_bytes=int(wire), max_err=max_err,
                   count=nbytes // torch.tensor([], dtype=dtype).element_size(), redop=redop,
                   nodes=n // env.ranks_per_node, ranks_per_node=env.ranks_per_node, backend=env.backend,
                   wire_gbps=wire / seconds / 1e9 if seconds > 0 else 0.0, wire_bytes_inter=int(wire_inter),

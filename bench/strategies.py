@@ -48,15 +48,16 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from flcomm import costmodel as cm  # noqa: E402
+from flcomm.codecs import CODECS  # noqa: E402
+from flcomm.federated.strategy import Strategy  # noqa: E402
 
 DEFAULT_RUNS = ("fsdp", "hsdp", "fl-fsdp:E=8:codec=int8", "fl-hsdp:E=8:codec=int8",
                 "fl-fsdp:E=8:codec=none", "fl-fsdp:E=8:codec=int8:overlap")
-STRATEGIES = ("fsdp", "hsdp", "fl-fsdp", "fl-hsdp")
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    strategy: str
+    strategy: Strategy
     sync_every: int = 8
     codec: str = "none"
     overlap: bool = False
@@ -67,9 +68,10 @@ class RunSpec:
     @classmethod
     def parse(cls, text: str) -> "RunSpec":
         parts = text.split(":")
-        if parts[0] not in STRATEGIES:
-            raise ValueError(f"run spec {text!r}: strategy must be one of {', '.join(STRATEGIES)}, got {parts[0]!r}")
-        kw: dict[str, Any] = {"strategy": parts[0]}
+        try:
+            kw: dict[str, Any] = {"strategy": Strategy.parse(parts[0])}
+        except ValueError as e:
+            raise ValueError(f"run spec {text!r}: {e}") from None
         for p in parts[1:]:
             if p in ("overlap", "hier"):
                 kw["overlap" if p == "overlap" else "hierarchical"] = True
@@ -79,7 +81,7 @@ class RunSpec:
                 if key == "E":
                     kw["sync_every"] = int(val)
                 elif key == "codec":
-                    if val not in cm.CODEC_BYTES:
+                    if val not in CODECS:
                         raise ValueError
                     kw["codec"] = val
                 elif key == "G":
@@ -89,16 +91,19 @@ class RunSpec:
                 else:
                     raise ValueError
             except ValueError:
-                raise ValueError(f"run spec {text!r}: expected E=<int>, codec=<{'|'.join(cm.CODEC_BYTES)}>, "
+                raise ValueError(f"run spec {text!r}: expected E=<int>, codec=<{'|'.join(CODECS)}>, "
                                  f"G=<int>, S=<int>, overlap or hier after the strategy, got {p!r}") from None
         return cls(**kw)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "strategy", Strategy.parse(self.strategy))
+
     @property
     def federated(self) -> bool:
-        return self.strategy.startswith("fl-")
+        return self.strategy.federated
 
     def label(self) -> str:
-        s = self.strategy
+        s = self.strategy.value
         if self.federated:
             s += f" E={self.sync_every} {self.codec}" + (" ovl" if self.overlap else "")
         return s + (" hier" if self.hierarchical else "")
@@ -107,7 +112,7 @@ class RunSpec:
         return self.label().replace(" ", "_").replace("=", "")
 
     def driver_args(self) -> list[str]:
-        a = ["--strategy", self.strategy]
+        a = ["--strategy", self.strategy.value]
         if self.federated:
             a += ["--sync-every", str(self.sync_every), "--codec", self.codec,
                   "--overlap" if self.overlap else "--no-overlap"]
@@ -310,13 +315,12 @@ def analyse(a: argparse.Namespace, measured: dict, results: list[RunResult], com
         wl = cm.Workload(params=cfgd["num_params"], tokens_per_rank=tokens_per_step / cfgd["world_size"],
                          compute_s=compute_s, param_bytes=4, grad_bytes=4,
                          allgathers_per_step=effective_allgathers(a.model), fsdp_units=units)
-        plan = cm.Plan(r.spec.strategy, cfgd["group_size"] if r.spec.federated else None,
-                       cfgd["shard_size"] if r.spec.strategy.endswith("hsdp") else None,
-                       r.spec.sync_every, r.spec.codec, r.spec.overlap, r.spec.hierarchical)
+        plan = cm.Plan(r.spec.strategy, cfgd["group_size"], cfgd["shard_size"], r.spec.sync_every, r.spec.codec,
+                       r.spec.overlap, r.spec.hierarchical)
         pred = cm.predict(cluster, wl, plan)
         steps_n = len(r.steps)
         rec = {
-            "strategy": r.spec.strategy, "codec": r.spec.codec if r.spec.federated else "none",
+            "strategy": r.spec.strategy.value, "codec": r.spec.codec if r.spec.federated else "none",
             "sync_every": r.spec.sync_every if r.spec.federated else 1, "overlap": r.spec.overlap,
             "hierarchical": r.spec.hierarchical, "label": r.spec.label(),
             "nodes": a.nodes, "ranks_per_node": a.ranks_per_node, "group_size": cfgd["group_size"],

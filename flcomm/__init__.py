@@ -9,20 +9,42 @@ The main entry points are importable from here (lazily, so ``import flcomm`` sta
     topo = flcomm.Topology.fl_fsdp(world_size, ranks_per_node, group_size=8)
     mesh = topo.build("cuda")
     fed = flcomm.FedAvg(model, mesh, sync_every=8, codec="int8")
+
+Layers (imports only go down; ``tests/test_layering.py`` parses every import, lazy and
+type-only ones included, and checks these rules):
+
+* ``enums`` and ``_lazy`` import nothing from flcomm; every layer may use them;
+* ``_native`` and ``info`` import only each other;
+* ``comm`` (transports) imports only ``_native``, ``info`` and ``enums``: never collectives or
+  anything above;
+* ``kernels`` imports ``_native``; ``codecs`` imports ``kernels`` (public names only);
+* ``collectives`` imports ``comm``, ``codecs``, ``kernels``: never ``federated``, ``fsdp``,
+  ``costmodel`` or ``train``;
+* ``fsdp`` (hooks) imports ``collectives`` and below: a hook takes a ``Hierarchy`` or a
+  transport, never a ``FedMesh``;
+* ``federated`` imports ``collectives`` and below (not ``fsdp``);
+* ``costmodel``: ``model`` and ``search`` (the analytic part) import ``federated.strategy`` /
+  ``federated.topology``, ``codecs``, ``comm.base`` and no ``torch.distributed``, also not at
+  import time through those modules; ``probe`` measures with torch.distributed;
+* only ``train`` (and ``bench/``, outside the package) import everything.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from importlib.metadata import PackageNotFoundError, version
 
-__version__ = "0.1.0"
-
+from flcomm._lazy import lazy_exports
 from flcomm.info import build_info
+
+try:  # NOTE: the version lives in pyproject.toml only
+    __version__ = version("flcomm")
+except PackageNotFoundError:  # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"
 
 _LAZY = {
     "Topology": "flcomm.federated.topology",
     "FedMesh": "flcomm.federated.topology",
+    "Strategy": "flcomm.federated.strategy",
     "FedAvg": "flcomm.federated.fedavg",
     "get_codec": "flcomm.codecs",
     "compressed_all_reduce": "flcomm.collectives.compressed",
@@ -34,9 +56,4 @@ _LAZY = {
 }
 
 __all__ = ["__version__", "build_info", *_LAZY]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'flcomm' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -119,7 +119,7 @@ def _fsdp2_runs(rank: int, world: int, local: int, with_compressed: bool, with_h
     out: dict = {}
     # FSDP over all ranks, hierarchical over the nodes
     fm = Topology.fsdp(world, local).build()
-    hier = Hierarchy.from_mesh(fm, "shard")
+    hier = fm.hierarchy("shard")
     shard_mesh = fm.device_mesh["shard"]
     plain = _fsdp2_model(shard_mesh)
     hooked = _fsdp2_model(shard_mesh, lambda m: apply_hierarchical_collectives(m, hier))
@@ -220,7 +220,7 @@ def _fsdp1_runs(rank: int, world: int, local: int) -> dict:
     from flcomm.federated.topology import Topology
 
     fm = Topology.fsdp(world, local).build()
-    hier = Hierarchy.from_mesh(fm, "shard")
+    hier = fm.hierarchy("shard")
     out: dict = {}
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
         plain = _fsdp1_model(fm.groups["shard"], strategy)
@@ -276,7 +276,7 @@ def _registration(rank: int, world: int) -> dict:
                                    apply_hierarchical_collectives)
 
     fm = Topology.hsdp(world, 2).build()  # shard = one node; "group" spans both nodes
-    hier = Hierarchy.from_mesh(fm, "group")
+    hier = fm.hierarchy("group")
     world_pg = fm.groups["group"]
     errors: dict[str, str | None] = {}
 

@@ -114,7 +114,7 @@ def _check_collectives(rank: int, world: int, local: int, sizes: list[int], dtyp
     from flcomm.federated.topology import Topology
 
     mesh = Topology(world, local).build()
-    h = Hierarchy.from_mesh(mesh, "shard")
+    h = mesh.hierarchy("shard")
     assert (h.nodes, h.local, h.size, h.rank) == (world // local, local, world, rank)
     checked = 0
     for dtype in dtypes:

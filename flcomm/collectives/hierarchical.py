@@ -27,15 +27,12 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from flcomm.comm.base import ReduceOp, Transport, Work, check_pair
-
-if TYPE_CHECKING:
-    from flcomm.federated.topology import FedMesh
 
 __all__ = [
     "Hierarchy",
@@ -243,24 +240,14 @@ def hierarchical_all_reduce(tensor: Tensor, intra: Transport, inter: Transport,
 @dataclass(frozen=True)
 class Hierarchy:
     """One rank's view of an N x L group: the ``intra`` (my node) and ``inter`` (my local index
-    on every node) transports. Group rank = ``inter.rank * L + intra.rank``."""
+    on every node) transports. Group rank = ``inter.rank * L + intra.rank``. A FedMesh gives the
+    hierarchy of its shard or group dim: ``mesh.hierarchy("shard")``."""
 
     intra: Transport
     inter: Transport
 
     def __post_init__(self) -> None:
         _check_hierarchy(self.intra, self.inter)
-
-    @classmethod
-    def from_mesh(cls, mesh: "FedMesh", base: str = "shard") -> "Hierarchy":
-        """The hierarchy of mesh group ``base`` ("shard" or "group") of a :class:`FedMesh` built
-        with ``hierarchical=True``."""
-        if base not in ("shard", "group"):
-            raise ValueError(f"base must be 'shard' or 'group', got {base!r}")
-        for name in (f"{base}_intra", f"{base}_inter"):
-            if name not in mesh.groups:
-                raise ValueError(f"FedMesh has no {name!r} group: build it with hierarchical=True")
-        return cls(mesh.transport(f"{base}_intra"), mesh.transport(f"{base}_inter"))
 
     @property
     def nodes(self) -> int:

@@ -28,38 +28,33 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from flcomm.enums import Choice
+
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 
 
-class ReduceOp(str, Enum):
+class ReduceOp(Choice, what="reduce op"):
     SUM = "sum"
     AVG = "avg"
     MAX = "max"
 
     @classmethod
-    def parse(cls, op: Any) -> "ReduceOp":
-        """Accepts a ReduceOp, its name ("sum", "avg", "max") or a torch.distributed.ReduceOp."""
-        if isinstance(op, ReduceOp):
-            return op
+    def _missing_value(cls, op: Any) -> "ReduceOp | None":
+        """Also a torch.distributed.ReduceOp (or its value) of sum, avg or max."""
         if isinstance(op, str):
-            try:
-                return cls(op.lower())
-            except ValueError:
-                pass
-        else:
-            import torch.distributed as dist
+            return None
+        import torch.distributed as dist
 
-            for name, ours in (("SUM", cls.SUM), ("AVG", cls.AVG), ("MAX", cls.MAX)):
-                theirs = getattr(dist.ReduceOp, name)
-                if op == theirs or op == getattr(theirs, "value", object()):
-                    return ours
-        raise ValueError(f"reduce op must be one of sum, avg, max (or the torch.distributed "
-                         f"ReduceOp of one), got {op!r}")
+        for ours in cls:
+            theirs = getattr(dist.ReduceOp, ours.name)
+            if op == theirs or op == getattr(theirs, "value", object()):
+                return ours
+        return None
 
 
 class LinkTier(str, Enum):
@@ -104,19 +99,73 @@ class CommStats:
             s.calls, s.bytes, s.time_s = 0, 0, 0.0
 
 
-def wire_bytes(collective: str, nbytes: int, n: int) -> int:
-    """Bytes one rank sends for ``collective`` on a buffer of ``nbytes`` over ``n`` ranks (see
-    the module docstring for the convention)."""
+def format_bytes(b: float) -> str:
+    """``b`` bytes with a decimal unit and three significant digits, for tables ("1.23 GB")."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(b) < 1000:
+            return f"{b:.3g} {unit}"
+        b /= 1000
+    return f"{b:.3g} TB"
+
+
+def _ratio(collective: str, n: int) -> tuple[int, int]:
+    """(numerator, denominator) of the bytes one rank sends per byte of the full buffer."""
     if n < 1:
         raise ValueError(f"group size must be >= 1, got {n}")
     if collective == "all_reduce":
-        return 2 * (n - 1) * nbytes // n
+        return 2 * (n - 1), n
     if collective in ("reduce_scatter", "all_gather", "all_to_all"):
-        return (n - 1) * nbytes // n
+        return n - 1, n
     if collective == "broadcast":
-        return nbytes if n > 1 else 0
-    raise ValueError(f"collective must be all_reduce, reduce_scatter, all_gather, all_to_all or "
-                     f"broadcast, got {collective!r}")
+        return (1, 1) if n > 1 else (0, 1)
+    raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}, got {collective!r}")
+
+
+#: the collectives of the protocol, in the order of the table in the module docstring
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
+
+
+def bus_factor(collective: str, n: int) -> float:
+    """The nccl-tests bus-bandwidth factor of ``collective`` over ``n`` ranks (the table in the
+    module docstring): ``busbw = algbw * bus_factor``; also the cost model's bytes factor."""
+    num, den = _ratio(collective, n)
+    return num / den
+
+
+def wire_bytes(collective: str, nbytes: int, n: int) -> int:
+    """Bytes one rank sends for ``collective`` on a buffer of ``nbytes`` over ``n`` ranks (see
+    the module docstring for the convention)."""
+    num, den = _ratio(collective, n)
+    return num * nbytes // den
+
+
+@runtime_checkable
+class Handle(Protocol):
+    """What every asynchronous flcomm operation returns: a transport's :class:`Work`, and the
+    handles of the collectives and of the FedAvg exchange built on it.
+
+    ``wait(timeout)`` blocks until the operation completed (bounded by ``timeout`` or the
+    owner's timeout, raising ``TimeoutError`` past it), finishes what is left of it and returns
+    its result; calling it again returns the same result. ``is_completed()`` polls without
+    blocking.
+    """
+
+    def wait(self, timeout: timedelta | float | None = None) -> Any: ...
+
+    def is_completed(self) -> bool: ...
+
+
+class Done:
+    """The :class:`Handle` of an operation that completed when it was issued."""
+
+    def __init__(self, result: Any = None) -> None:
+        self.result = result
+
+    def wait(self, timeout: timedelta | float | None = None) -> Any:
+        return self.result
+
+    def is_completed(self) -> bool:
+        return True
 
 
 class Work:

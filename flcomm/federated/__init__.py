@@ -1,6 +1,22 @@
-"""Federation: topology and meshes; the FedAvg synchronizer."""
+"""Federation: the strategies and their topology and meshes; the FedAvg synchronizer.
 
-from flcomm.federated.topology import FedMesh, RankCoords, Topology
-from flcomm.federated.fedavg import FedAvg
+Exports are lazy, so importing :mod:`flcomm.federated.topology` or
+:mod:`flcomm.federated.strategy` (pure descriptions, used by the cost model) does not import
+torch.distributed through :mod:`flcomm.federated.fedavg`.
+"""
 
-__all__ = ["FedAvg", "FedMesh", "RankCoords", "Topology"]
+from __future__ import annotations
+
+from flcomm._lazy import lazy_exports
+
+_LAZY = {
+    "FedAvg": "flcomm.federated.fedavg",
+    "NonFiniteAverageError": "flcomm.federated.fedavg",
+    "FedMesh": "flcomm.federated.topology",
+    "RankCoords": "flcomm.federated.topology",
+    "Topology": "flcomm.federated.topology",
+    "Strategy": "flcomm.federated.strategy",
+}
+
+__all__ = list(_LAZY)
+__getattr__ = lazy_exports(__name__, _LAZY)

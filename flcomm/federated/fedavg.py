@@ -43,13 +43,13 @@ their (finite) averages, so treat the error as fatal or restore a checkpoint. On
 from __future__ import annotations
 
 import time
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from flcomm.enums import Choice
 from flcomm.federated.exchange import DeltaExchange, check_codec, flat_views
 from flcomm.federated.outer import Outer, OuterOptimizer
 from flcomm.federated.shards import collect_slots, fingerprint
@@ -60,19 +60,12 @@ if TYPE_CHECKING:
 STATE_VERSION = 1
 
 
-class InnerState(str, Enum):
+class InnerState(Choice, what="inner_state"):
     """What happens to the inner (per-group) optimizer state at a sync."""
 
     KEEP = "keep"
     AVERAGE = "average"
     RESET = "reset"
-
-    @classmethod
-    def parse(cls, v: "InnerState | str") -> "InnerState":
-        try:
-            return cls(v.lower() if isinstance(v, str) else v)
-        except ValueError:
-            raise ValueError(f"inner_state must be one of {[o.value for o in cls]}, got {v!r}") from None
 
 
 class NonFiniteAverageError(FloatingPointError):

@@ -14,22 +14,15 @@ given the delta averaged over the federation groups.
 
 from __future__ import annotations
 
-from enum import Enum
-
 import torch
 from torch import Tensor
 
+from flcomm.enums import Choice
 
-class Outer(str, Enum):
+
+class Outer(Choice, what="outer"):
     AVG = "avg"
     NESTEROV = "nesterov"
-
-    @classmethod
-    def parse(cls, v: "Outer | str") -> "Outer":
-        try:
-            return cls(v.lower() if isinstance(v, str) else v)
-        except ValueError:
-            raise ValueError(f"outer must be one of {[o.value for o in cls]}, got {v!r}") from None
 
 
 class OuterOptimizer:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
+    from flcomm.collectives.hierarchical import Hierarchy
     from flcomm.comm.torch_pg import TorchTransport
 
 MESH_DIMS = ("fed", "replicate", "shard")
@@ -37,6 +38,13 @@ class RankCoords:
     index: int         # position inside the group, replica * S + shard
     replica: int       # r in [0, R)
     shard: int         # s in [0, S)
+
+
+def _strategy(name: str):
+    # NOTE: strategy.py builds on this module; the factories below are its shortcuts.
+    from flcomm.federated.strategy import Strategy
+
+    return Strategy.parse(name)
 
 
 def _positive(name: str, v: object) -> int:
@@ -105,24 +113,23 @@ class Topology:
                 raise ValueError(f"node_groups[{f}] must list {G // L} nodes, got {len(g)}: {g}")
         return tuple(tuple(n * L + i for n in g for i in range(L)) for g in ng)
 
-    # ---- factories for the four strategies ----
+    # ---- factories for the four strategies (defaults: flcomm.federated.strategy) ----
     @classmethod
     def fsdp(cls, world_size: int, ranks_per_node: int) -> "Topology":
-        return cls(world_size, ranks_per_node)
+        return _strategy("fsdp").topology(world_size, ranks_per_node)
 
     @classmethod
     def hsdp(cls, world_size: int, ranks_per_node: int, shard_size: int | None = None) -> "Topology":
-        return cls(world_size, ranks_per_node, shard_size=shard_size or ranks_per_node)
+        return _strategy("hsdp").topology(world_size, ranks_per_node, S=shard_size)
 
     @classmethod
-    def fl_fsdp(cls, world_size: int, ranks_per_node: int, group_size: int) -> "Topology":
-        return cls(world_size, ranks_per_node, group_size=group_size)
+    def fl_fsdp(cls, world_size: int, ranks_per_node: int, group_size: int | None = None) -> "Topology":
+        return _strategy("fl-fsdp").topology(world_size, ranks_per_node, G=group_size)
 
     @classmethod
-    def fl_hsdp(cls, world_size: int, ranks_per_node: int, group_size: int,
+    def fl_hsdp(cls, world_size: int, ranks_per_node: int, group_size: int | None = None,
                 shard_size: int | None = None) -> "Topology":
-        return cls(world_size, ranks_per_node, group_size=group_size,
-                   shard_size=shard_size or min(ranks_per_node, group_size))
+        return _strategy("fl-hsdp").topology(world_size, ranks_per_node, G=group_size, S=shard_size)
 
     # ---- sizes ----
     @property
@@ -277,6 +284,18 @@ class FedMesh:
 
     def tier(self, name: str) -> LinkTier:
         return self.topology.tier(self.group_ranks[name], "fed" if name == "fed" else None)
+
+    def hierarchy(self, base: str = "shard") -> "Hierarchy":
+        """The :class:`~flcomm.collectives.hierarchical.Hierarchy` (intra-node and inter-node
+        transports) of group ``base`` ("shard" or "group"); needs ``hierarchical=True``."""
+        from flcomm.collectives.hierarchical import Hierarchy
+
+        if base not in ("shard", "group"):
+            raise ValueError(f"base must be 'shard' or 'group', got {base!r}")
+        for name in (f"{base}_intra", f"{base}_inter"):
+            if name not in self.groups:
+                raise ValueError(f"FedMesh has no {name!r} group: build it with hierarchical=True")
+        return Hierarchy(self.transport(f"{base}_intra"), self.transport(f"{base}_inter"))
 
     def transport(self, name: str) -> "TorchTransport":
         """A TorchTransport on group ``name``, counting into this mesh's shared stats."""

@@ -5,7 +5,7 @@ FSDP2::
 
     mesh = Topology.fsdp(world, ranks_per_node).build()
     fully_shard(block, mesh=mesh.device_mesh["shard"]) ...; fully_shard(model, mesh=...)
-    apply_hierarchical_collectives(model, Hierarchy.from_mesh(mesh, "shard"))
+    apply_hierarchical_collectives(model, mesh.hierarchy("shard"))
 
 HSDP with the replicate all-reduce as a hook (exact, or compressed with ``codec="int8"``)::
 
@@ -14,7 +14,7 @@ HSDP with the replicate all-reduce as a hook (exact, or compressed with ``codec=
 
 FSDP1::
 
-    register_hierarchical_comm_hook(fsdp_model, Hierarchy.from_mesh(mesh, "shard"))
+    register_hierarchical_comm_hook(fsdp_model, mesh.hierarchy("shard"))
 """
 
 from flcomm.fsdp.fsdp1 import HierarchicalCommState, hierarchical_reduce_scatter_hook, register_hierarchical_comm_hook

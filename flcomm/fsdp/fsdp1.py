@@ -22,7 +22,6 @@ from flcomm.comm.base import ReduceOp
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    from flcomm.federated.topology import FedMesh
 
 __all__ = ["HierarchicalCommState", "hierarchical_reduce_scatter_hook", "register_hierarchical_comm_hook"]
 
@@ -39,9 +38,10 @@ class HierarchicalCommState:
     """State of :func:`hierarchical_reduce_scatter_hook`: the hierarchy of FSDP's process group
     and the gradient division factors (pre * post = group size, as in FSDP's default path)."""
 
-    def __init__(self, hierarchy: "Hierarchy | FedMesh") -> None:
+    def __init__(self, hierarchy: Hierarchy) -> None:
         if not isinstance(hierarchy, Hierarchy):
-            hierarchy = Hierarchy.from_mesh(hierarchy, "shard")
+            raise TypeError(f"hierarchy must be a flcomm Hierarchy (e.g. fed_mesh.hierarchy('shard')), got "
+                            f"{type(hierarchy).__name__}")
         self.hierarchy = hierarchy
         self.world_size = hierarchy.size
         self.gradient_predivide_factor = _predivide_factor(self.world_size)
@@ -66,7 +66,7 @@ def hierarchical_reduce_scatter_hook(state: HierarchicalCommState, grad: Tensor,
 
 
 def register_hierarchical_comm_hook(model: "FullyShardedDataParallel",
-                                    hierarchy: "Hierarchy | FedMesh") -> HierarchicalCommState:
+                                    hierarchy: Hierarchy) -> HierarchicalCommState:
     """Register :func:`hierarchical_reduce_scatter_hook` on the root FSDP1 ``model`` after
     checking that every FSDP unit shards (no hybrid or NO_SHARD strategy) over a group that is
     the hierarchy. Returns the state."""

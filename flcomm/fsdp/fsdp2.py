@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,9 +37,6 @@ try:  # torch >= 2.8 exposes the contracts here
 except ImportError as e:  # pragma: no cover - older torch
     raise ImportError(f"flcomm.fsdp.fsdp2 needs FSDP2's custom collective API "
                       f"(torch >= 2.8), not found in torch {torch.__version__}: {e}") from e
-
-if TYPE_CHECKING:
-    from flcomm.federated.topology import FedMesh
 
 __all__ = [
     "HierarchicalAllGather",
@@ -100,7 +97,7 @@ class _HierarchicalComm:
                 f"{type(self).__name__}: FSDP's group has {group.size()} ranks (this is rank "
                 f"{group.rank()}), but the hierarchy is {h.nodes} nodes x {h.local} ranks = {h.size} "
                 f"(this is rank {h.rank}): build the hierarchy from the mesh dim FSDP shards over "
-                "(Hierarchy.from_mesh(mesh, 'shard') for fully_shard(mesh=mesh['shard']))")
+                "(mesh.hierarchy('shard') for fully_shard(mesh=mesh.device_mesh['shard']))")
 
 
 class HierarchicalReduceScatter(_HierarchicalComm, ReduceScatter):
@@ -146,18 +143,16 @@ def _param_groups(module: FSDPModule) -> list[Any]:
     return list(groups)
 
 
-def apply_hierarchical_collectives(model: nn.Module, hierarchy: "Hierarchy | FedMesh", *,
+def apply_hierarchical_collectives(model: nn.Module, hierarchy: Hierarchy, *,
                                    reduce_scatter: bool = True,
                                    all_gather: bool = True) -> list[FSDPModule]:
     """Set :class:`HierarchicalReduceScatter` / :class:`HierarchicalAllGather` on every FSDP
-    module of ``model`` (``hierarchy``: a :class:`Hierarchy`, or a FedMesh whose shard dim is
-    used). Returns the modules.
+    module of ``model`` (``hierarchy``: the :class:`Hierarchy` of the group FSDP shards over,
+    e.g. ``fed_mesh.hierarchy("shard")``). Returns the modules.
 
     Every module is checked before any is changed: a module with several parameter groups
     (per-parameter meshes from ``shard_placement_fn``) is refused with FSDP's own error.
     """
-    if not isinstance(hierarchy, Hierarchy):
-        hierarchy = Hierarchy.from_mesh(hierarchy, "shard")
     rs, ag = HierarchicalReduceScatter(hierarchy), HierarchicalAllGather(hierarchy)
     mods = _fsdp_modules(model)
     for name, m in mods:
@@ -240,17 +235,19 @@ class ReplicateAllReduceHook:
         self.residual = sd["residual"]
 
 
-def apply_all_reduce_hook(model: nn.Module, transport: "Transport | FedMesh", *, codec: Any = None,
+def apply_all_reduce_hook(model: nn.Module, transport: Transport, *, codec: Any = None,
                           op: Any = ReduceOp.AVG, error_feedback: bool = False) -> dict[str, ReplicateAllReduceHook]:
     """Give every FSDP module of ``model`` its own :class:`ReplicateAllReduceHook` on
-    ``transport`` (or a FedMesh's "replicate" transport). Returns the hooks by module name.
+    ``transport`` (HSDP's replicate dim, e.g. ``fed_mesh.transport("replicate")``). Returns the
+    hooks by module name.
 
     The model must be sharded on the 1-D shard mesh (``fully_shard(m, mesh=mesh['shard'])``):
     with native HSDP (a 2-D mesh) FSDP already all-reduces over the replicas before the hook,
     so such modules are refused.
     """
     if not isinstance(transport, Transport):
-        transport = transport.transport("replicate")
+        raise TypeError(f"transport must be a flcomm Transport (e.g. fed_mesh.transport('replicate')), "
+                        f"got {type(transport).__name__}")
     mods = _fsdp_modules(model)
     for name, m in mods:
         groups = _param_groups(m)

@@ -1,0 +1,30 @@
+"""Communication cost model of FSDP, HSDP, FL+FSDP and FL+HSDP (see :mod:`flcomm.costmodel.model`
+for the model itself, :mod:`~flcomm.costmodel.search` for the crossover and the recommendation,
+:mod:`~flcomm.costmodel.probe` for ``--measure``; the CLI is ``flcomm-costmodel``)."""
+
+from flcomm.costmodel.model import (GBIT, PRESETS, Cluster, Link, Plan, Prediction, Strategy, Workload, codec_nbytes,
+                                    collective_time, compute_time_from_flops, predict, predict_strategies, speedup)
+from flcomm.costmodel.search import (Crossover, Recommendation, crossover_bandwidth_ratio, crossover_sync_every,
+                                     recommend)
+
+
+
+
+def __getattr__(name: str):
+    # NOTE: the CLI and the probe (torch.distributed) load on first use, not with the formulas.
+    if name == "main":
+        from flcomm.costmodel.__main__ import main
+
+        return main
+    if name == "measure_tiers":
+        from flcomm.costmodel.probe import measure_tiers
+
+        return measure_tiers
+    raise AttributeError(f"module 'flcomm.costmodel' has no attribute {name!r}")
+
+
+__all__ = [
+    "GBIT", "PRESETS", "Cluster", "Crossover", "Link", "Plan", "Prediction", "Recommendation", "Strategy",
+    "Workload", "codec_nbytes", "collective_time", "compute_time_from_flops", "crossover_bandwidth_ratio",
+    "crossover_sync_every", "main", "measure_tiers", "predict", "predict_strategies", "recommend", "speedup",
+]
