@@ -208,12 +208,43 @@ def test_recommend_federates_on_slow_links_and_not_on_fast_ones():
 
 def test_recommend_respects_memory():
     wl = workload()
-    per_rank_fsdp = N * wl.state_bytes_per_param / 16  # only S = P = 16 fits
-    rec = cm.recommend(cluster(nodes=8, be=1e7), wl, memory_bytes=per_rank_fsdp * 1.01)
+    c = cluster(nodes=8, be=1e7)
+    fsdp = predict(c, wl, Plan("fsdp"))  # S = P = 16: the least memory per rank
+    rec = cm.recommend(c, wl, memory_bytes=fsdp.memory_total * 1.01)
     assert all(p.shard_size == 16 for p in rec.ranked)
     assert rec.best.plan.strategy is Strategy.FSDP
-    with pytest.raises(ValueError, match="no plan fits"):
+    assert rec.left_out.startswith(f"{len(list(_all_plans(c, wl))) - len(rec.ranked)} plans need more than")
+    with pytest.raises(ValueError, match="no plan fits: .* plans need more than 1 B per rank"):
         cm.recommend(cluster(), wl, memory_bytes=1.0)
+
+
+def _all_plans(c, wl):
+    return [p for p in cm.recommend(c, wl, top=10 ** 6).ranked]
+
+
+def test_memory_per_rank_formula():
+    """N = 1e6 on 2 nodes x 2: int8 + error feedback + nesterov + overlap keeps four fp32 copies of
+    the N / S shard (anchor, residual, momentum, own delta); the paper's mode none."""
+    wl = workload(fsdp_units=4, activation_bytes=123.0)
+    full = Plan("fl-fsdp", 2, None, 4, "int8", overlap=True, error_feedback=True, outer="nesterov")
+    m = predict(cluster(), wl, full).memory_bytes
+    buckets = 2 * wl.bucket_mb * 2**20
+    assert m == {"state": 16 * N / 2, "unsharded": N / 4 * (2 * 2 + 4), "fedavg": 4 * 4 * N / 2 + buckets,
+                 "activations": 123.0}
+    assert cm.fedavg_shard_copies(full) == 4
+    assert cm.fedavg_shard_copies(Plan("fl-fsdp", 2, codec="int8", error_feedback=True)) == 2
+    assert cm.fedavg_shard_copies(Plan("fl-fsdp", 2)) == 0  # in place, bucket by bucket
+    assert predict(cluster(), wl, Plan("fl-fsdp", 2)).memory_bytes["fedavg"] == buckets
+    assert predict(cluster(), wl, Plan("fsdp")).memory_bytes["fedavg"] == 0
+
+
+def test_the_paper_preset_recommends_a_plan_that_fits(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert cm.main(["--preset", "llama3.1-8b-leonardo", "--recommend", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())["recommendation"]
+    assert sum(rec["best"]["memory_bytes"].values()) <= 64e9
+    assert "plans need more than 64 GB per rank" in rec["left_out"]
+    assert "mem/rank" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------- bad input ----

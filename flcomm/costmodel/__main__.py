@@ -24,14 +24,14 @@ def format_table(preds: Sequence[Prediction]) -> str:
     base = {p.plan.strategy: p for p in preds if not p.plan.strategy.federated}
     fsdp, hsdp = base.get(Strategy.FSDP), base.get(Strategy.HSDP)
     hdr = f"{'plan':<34} {'step s':>9} {'comm s':>9} {'tokens/s':>11} {'vs FSDP':>8} {'vs HSDP':>8} " \
-          f"{'inter-node/step':>15} {'inter-group/step':>16}"
+          f"{'inter-node/step':>15} {'inter-group/step':>16} {'mem/rank':>9}"
     lines = [hdr, "-" * len(hdr)]
     for p in preds:
         vs_f = f"{fsdp.step_time_s / p.step_time_s:.2f}x" if fsdp else "-"
         vs_h = f"{hsdp.step_time_s / p.step_time_s:.2f}x" if hsdp else "-"
         lines.append(f"{p.plan.label():<34} {p.step_time_s:9.4g} {p.exposed_comm_s:9.4g} {p.tokens_per_s:11.4g} "
                      f"{vs_f:>8} {vs_h:>8} {format_bytes(p.internode_bytes_per_step):>15} "
-                     f"{format_bytes(p.intergroup_bytes_per_step):>16}")
+                     f"{format_bytes(p.intergroup_bytes_per_step):>16} {format_bytes(p.memory_total):>9}")
     return "\n".join(lines)
 
 
@@ -55,7 +55,8 @@ def _build(a: argparse.Namespace) -> tuple[Cluster, Workload]:
             raise ValueError("need --compute-s, or --tflops (with --mfu) to derive it from 6 * N * tokens")
         a.compute_s = compute_time_from_flops(a.params, a.tokens_per_rank, a.tflops * 1e12, a.mfu)
     wl = Workload(a.params, a.tokens_per_rank, a.compute_s, a.param_bytes, a.grad_bytes,
-                  a.allgathers_per_step, a.fsdp_units, a.fsdp_overlap)
+                  a.allgathers_per_step, a.fsdp_units, a.fsdp_overlap,
+                  activation_bytes=a.activation_gb * 1e9)
     return cluster, wl
 
 
@@ -87,6 +88,7 @@ def make_parser() -> argparse.ArgumentParser:
     w.add_argument("--allgathers-per-step", type=float, default=2.0)
     w.add_argument("--fsdp-overlap", type=float, default=0.0, help="fraction of in-group comm hidden (0-1)")
     w.add_argument("--fsdp-units", type=int, default=1, help="FSDP units (latency counts once per unit)")
+    w.add_argument("--activation-gb", type=float, default=0.0, help="activations per rank at the peak (GB)")
     s = p.add_argument_group("plan")
     s.add_argument("--group-size", type=int, help="G (default: one node)")
     s.add_argument("--shard-size", type=int, help="S for HSDP variants (default: one node)")
@@ -100,7 +102,9 @@ def make_parser() -> argparse.ArgumentParser:
     m.add_argument("--threshold", type=float, default=1.0, help="speedup that counts as paying")
     m.add_argument("--recommend", action="store_true")
     m.add_argument("--max-sync-every", type=int, default=32)
-    m.add_argument("--memory-gb", type=float, help="per-rank memory for training state (recommend)")
+    m.add_argument("--memory-gb", type=float,
+                   help="device memory per rank: --recommend never picks a plan that needs more "
+                        "(default: the preset's)")
     m.add_argument("--json", help="write the predictions here")
     m.add_argument("--measure", action="store_true", help="probe the tiers of this job (run on every rank)")
     m.add_argument("--backend", default="gloo")
@@ -149,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         rec = recommend(cluster, wl, max_sync_every=a.max_sync_every,
                         memory_bytes=a.memory_gb * 1e9 if a.memory_gb else None)
         print("recommended:", rec.reason)
-        record["recommendation"] = {"reason": rec.reason, "best": rec.best.as_dict()}
+        if rec.left_out:
+            print("left out:", rec.left_out)
+        record["recommendation"] = {"reason": rec.reason, "left_out": rec.left_out, "best": rec.best.as_dict()}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(record, f, indent=2, default=str)

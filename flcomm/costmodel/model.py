@@ -65,11 +65,13 @@ from typing import Any
 
 from flcomm.codecs import CODECS, get_codec
 from flcomm.comm.base import LinkTier, bus_factor, wire_bytes
+from flcomm.federated.outer import Outer
 from flcomm.federated.strategy import Strategy
 
 __all__ = [
     "GBIT", "PRESETS", "Cluster", "Link", "Plan", "Prediction", "Strategy", "Workload", "codec_nbytes",
-    "collective_time", "compute_time_from_flops", "predict", "predict_strategies", "speedup",
+    "collective_time", "compute_time_from_flops", "fedavg_shard_copies", "memory_per_rank", "predict",
+    "predict_strategies", "speedup",
 ]
 
 GBIT = 1e9 / 8  # bytes/s in one Gbit/s
@@ -189,6 +191,9 @@ class Workload:
         overlap_steps: steps of compute an overlapped FedAvg exchange can hide behind.
         state_bytes_per_param: sharded training state per parameter (bf16 params + fp32
             master + Adam: 16), used for the memory limit of recommendations.
+        activation_bytes: activations one rank holds at the peak of a step (an estimate the
+            caller gives; the presets state theirs).
+        bucket_mb: FedAvg's bucket size (two buckets are in flight during an exchange).
     """
 
     params: float
@@ -201,6 +206,8 @@ class Workload:
     fsdp_overlap: float = 0.0
     overlap_steps: int = 1
     state_bytes_per_param: float = 16.0
+    activation_bytes: float = 0.0
+    bucket_mb: float = 25.0
 
     def __post_init__(self) -> None:
         positive("params", self.params)
@@ -214,6 +221,8 @@ class Workload:
         positive_int("overlap_steps", self.overlap_steps)
         positive_int("fsdp_units", self.fsdp_units)
         positive("state_bytes_per_param", self.state_bytes_per_param)
+        positive("activation_bytes", self.activation_bytes, allow_zero=True)
+        positive("bucket_mb", self.bucket_mb)
 
 
 @dataclass(frozen=True)
@@ -230,9 +239,12 @@ class Plan:
     codec: str = "none"
     overlap: bool = False
     hierarchical: bool = False
+    error_feedback: bool = False
+    outer: str = "avg"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", Strategy.parse(self.strategy))
+        object.__setattr__(self, "outer", Outer.parse(self.outer).value)
         positive_int("sync_every", self.sync_every)
         if self.codec not in CODECS:
             raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
@@ -244,7 +256,8 @@ class Plan:
     def label(self) -> str:
         s = self.strategy.value
         if self.strategy.federated:
-            s += f" G={self.group_size} E={self.sync_every} {self.codec}" + (" overlap" if self.overlap else "")
+            s += f" G={self.group_size} E={self.sync_every} {self.codec}" + ("+ef" if self.error_feedback else "")
+            s += (" nesterov" if self.outer == "nesterov" else "") + (" overlap" if self.overlap else "")
         if self.strategy.hybrid:
             s += f" S={self.shard_size}"
         return s
@@ -264,6 +277,12 @@ class Prediction:
     tokens_per_s: float
     bytes_per_step: dict[str, float] = field(default_factory=dict)   # per rank, per tier
     state_bytes_per_rank: float = 0.0
+    memory_bytes: dict[str, float] = field(default_factory=dict)     # per rank, per kind (memory_per_rank)
+
+    @property
+    def memory_total(self) -> float:
+        """Estimated peak bytes per rank (the sum of :attr:`memory_bytes`)."""
+        return sum(self.memory_bytes.values())
 
     @property
     def internode_bytes_per_step(self) -> float:
@@ -367,6 +386,41 @@ def _resolve(plan: Plan, cluster: Cluster) -> tuple[int, int]:
     return topo.group_size, topo.shard_size
 
 
+def fedavg_shard_copies(plan: Plan) -> float:
+    """Full-size fp32 copies of a rank's shard that FedAvg keeps for ``plan`` (besides two
+    buckets): none in the paper's mode (codec none, outer avg, no overlap, no error feedback:
+    averaged in place, bucket by bucket); otherwise the anchor, plus the error-feedback residual,
+    the outer momentum (nesterov) and the own delta (overlap) where the plan has them. This is
+    the accounting of :meth:`flcomm.federated.fedavg.FedAvg.memory_stats` (``bench/memory.py``
+    measures it)."""
+    if not plan.strategy.federated:
+        return 0.0
+    nesterov = plan.outer == "nesterov"
+    if plan.codec == "none" and not (nesterov or plan.overlap or plan.error_feedback):
+        return 0.0
+    return 1.0 + plan.error_feedback + nesterov + plan.overlap
+
+
+def memory_per_rank(workload: Workload, plan: Plan, shard_size: int) -> dict[str, float]:
+    """Estimated peak memory of one rank, by kind (bytes):
+
+    * ``state``: the sharded training state, ``state_bytes_per_param * N / S``;
+    * ``unsharded``: FSDP's working set, one unit's parameters gathered and the next one
+      prefetched (``2 * param_bytes``) and one unit's unsharded gradient (``grad_bytes``), each
+      of ``N / units`` elements;
+    * ``fedavg``: :func:`fedavg_shard_copies` fp32 copies of the ``N / S`` shard, plus two
+      buckets while an exchange runs (FL only);
+    * ``activations``: the workload's estimate.
+    """
+    N, S = workload.params, shard_size
+    fed = 0.0
+    if plan.strategy.federated:
+        fed = fedavg_shard_copies(plan) * 4 * N / S + 2 * workload.bucket_mb * 2**20
+    return {"state": workload.state_bytes_per_param * N / S,
+            "unsharded": N / workload.fsdp_units * (2 * workload.param_bytes + workload.grad_bytes),
+            "fedavg": fed, "activations": workload.activation_bytes}
+
+
 def predict(cluster: Cluster, workload: Workload, plan: Plan) -> Prediction:
     """Predict one step of ``plan``.
 
@@ -379,7 +433,8 @@ def predict(cluster: Cluster, workload: Workload, plan: Plan) -> Prediction:
       3. FL: one FedAvg exchange = all-reduce of the codec's encoding of the N / S shard over F
          groups (stride G, inter-group link), amortized over E steps; with overlap only what
          does not fit behind ``overlap_steps`` steps of compute is exposed;
-      4. step = compute + inner - hidden inner + exposed exchange / E.
+      4. step = compute + inner - hidden inner + exposed exchange / E;
+      5. memory per rank: :func:`memory_per_rank`.
     """
     if not isinstance(cluster, Cluster) or not isinstance(workload, Workload) or not isinstance(plan, Plan):
         raise TypeError("predict(cluster: Cluster, workload: Workload, plan: Plan), got "
@@ -418,7 +473,8 @@ def predict(cluster: Cluster, workload: Workload, plan: Plan) -> Prediction:
     return Prediction(plan=plan, world_size=P, group_size=G, shard_size=S, step_time_s=step, compute_s=c,
                       inner_comm_s=inner, fed_comm_s=fed, exposed_comm_s=step - c,
                       tokens_per_s=P * workload.tokens_per_rank / step if step > 0 else math.inf,
-                      bytes_per_step=per_step, state_bytes_per_rank=N * workload.state_bytes_per_param / S)
+                      bytes_per_step=per_step, state_bytes_per_rank=N * workload.state_bytes_per_param / S,
+                      memory_bytes=memory_per_rank(workload, plan, S))
 
 
 def predict_strategies(cluster: Cluster, workload: Workload, group_size: int | None = None,
@@ -469,9 +525,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     # one HDR100 port (100 Gbit/s) per GPU -> 400 Gbit/s per node, 3 us latency; NVLink 5 us;
     # 8192 tokens per GPU per step; 312 TFLOP/s bf16 at 40% MFU; FSDP prefetch hides 80% of the
     # in-group communication; one FSDP unit per transformer block plus the embeddings (33).
+    # Memory: 64 GB per GPU; activations 8 GB per rank, assuming activation checkpointing per
+    # decoder block: 2 GB of saved block inputs (8192 tokens x 4096 x bf16 x 32 blocks), ~1 GB
+    # to recompute one block, 4.2 GB of fp32 logits over the 128256-token vocabulary.
     "llama3.1-8b-leonardo": dict(params=8.03e9, nodes=128, ranks_per_node=4, intra_gbit=1600.0,
                                  inter_gbit=400.0, intra_lat_us=5.0, inter_lat_us=3.0,
                                  tokens_per_rank=8192, tflops=312.0, mfu=0.4, fsdp_overlap=0.8,
-                                 fsdp_units=33, param_bytes=2, grad_bytes=2),
+                                 fsdp_units=33, param_bytes=2, grad_bytes=2, memory_gb=64.0,
+                                 activation_gb=8.0),
 }
 

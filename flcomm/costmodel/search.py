@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from flcomm.codecs import get_codec
+from flcomm.comm.base import format_bytes
 from flcomm.costmodel.model import Cluster, Plan, Prediction, Strategy, Workload, positive, positive_int, predict, speedup
 
 __all__ = ["Crossover", "Recommendation", "crossover_bandwidth_ratio", "crossover_sync_every", "recommend"]
@@ -114,6 +115,7 @@ class Recommendation:
     best: Prediction
     ranked: list[Prediction]
     reason: str
+    left_out: str = ""  # which plans did not fit in memory, and why
 
 
 def _divisors(n: int) -> list[int]:
@@ -129,8 +131,9 @@ def recommend(cluster: Cluster, workload: Workload, *, codecs: Sequence[str] = (
       1. enumerate the valid plans: FSDP, HSDP (every S that divides P), and for FL every G
          dividing P (< P) and every S of G, E in powers of two up to ``max_sync_every``, each
          codec, overlap off/on;
-      2. drop plans whose sharded state (``state_bytes_per_param * N / S``) exceeds
-         ``memory_bytes`` per rank;
+      2. drop plans whose estimated memory per rank (:func:`~flcomm.costmodel.model.memory_per_rank`:
+         sharded state, FSDP's unsharded working set, FedAvg's buffers, activations) exceeds
+         ``memory_bytes``, and say which;
       3. predict each; among those within ``tolerance`` of the best tokens/s, prefer the one
          closest to synchronous training: fewest groups, then smallest E, least lossy codec,
          no overlap (an overlapped exchange is applied one step late).
@@ -156,19 +159,19 @@ def recommend(cluster: Cluster, workload: Workload, *, codecs: Sequence[str] = (
             for E in Es:
                 for codec in codecs:
                     for ov in ((False, True) if allow_overlap else (False,)):
-                        plans.append(Plan(st, G, S if st.hybrid else None, E, codec, ov))
-    preds = []
+                        # NOTE: a lossy codec runs with error feedback, as it should
+                        plans.append(Plan(st, G, S if st.hybrid else None, E, codec, ov,
+                                          error_feedback=codec != "none"))
+    preds, too_big = [], []
     for pl in plans:
         try:
             pr = predict(cluster, workload, pl)
         except ValueError:
             continue
-        if memory_bytes is not None and pr.state_bytes_per_rank > memory_bytes:
-            continue
-        preds.append(pr)
+        (too_big if memory_bytes is not None and pr.memory_total > memory_bytes else preds).append(pr)
+    left_out = _left_out(too_big, memory_bytes)
     if not preds:
-        raise ValueError(f"no plan fits: every sharding needs more than memory_bytes={memory_bytes:.3g} "
-                         "per rank for its state")
+        raise ValueError(f"no plan fits: {left_out}")
     preds.sort(key=lambda p: -p.tokens_per_s)
     best_tps = preds[0].tokens_per_s
 
@@ -182,5 +185,15 @@ def recommend(cluster: Cluster, workload: Workload, *, codecs: Sequence[str] = (
     reason = (f"{best.plan.label()}: {best.tokens_per_s:.4g} tokens/s, within {100 * tolerance:g}% of the "
               f"fastest plan ({preds[0].plan.label()}, {best_tps:.4g} tokens/s) and the closest to "
               f"synchronous training among those ({len(near)} candidates)")
-    return Recommendation(best, preds[:top], reason)
+    return Recommendation(best, preds[:top], reason, left_out)
+
+
+def _left_out(too_big: list[Prediction], memory_bytes: float | None) -> str:
+    if not too_big:
+        return ""
+    fastest = max(too_big, key=lambda p: p.tokens_per_s)
+    parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in fastest.memory_bytes.items() if v)
+    return (f"{len(too_big)} plans need more than {format_bytes(memory_bytes)} per rank, e.g. the fastest of "
+            f"them, {fastest.plan.label()} ({fastest.tokens_per_s:.4g} tokens/s): "
+            f"{format_bytes(fastest.memory_total)} ({parts})")
 
