@@ -17,5 +17,5 @@ fi
 .venv/bin/pip install -q "setuptools>=77" wheel ninja numpy
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 echo "[setup] building flcomm (CUDA_HOME=${CUDA_HOME:-unset}, FLCOMM_CUDA=${FLCOMM_CUDA:-auto})"
-.venv/bin/pip install -q --no-build-isolation -e ".[test,plot]"
+.venv/bin/pip install -q --no-build-isolation -e ".[test,plot,hf]"
 .venv/bin/python -m flcomm info
