@@ -20,7 +20,9 @@ Usage (CPU, gloo; ``pip install -e ".[hf]"``)::
         examples/hf_llama.py                              # one federation group per node
 
 G defaults to one node (LOCAL_WORLD_SIZE ranks), or half the ranks when all share one node;
-S defaults to G (FL+FSDP). End on a multiple of --sync-every, so the groups end equal.
+S defaults to G (FL+FSDP). End on a multiple of --sync-every, so the groups end equal. On GPUs
+the same loop runs with the "nccl" backend, ``torch.cuda.set_device(LOCAL_RANK)``,
+``topo.build("cuda")`` and the model and batches on the GPU.
 """
 
 from __future__ import annotations
