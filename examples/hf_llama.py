@@ -11,7 +11,7 @@ adds to an ordinary FSDP2 loop is marked ``# flcomm``:
 3. ``FedAvg`` over the "fed" dim: ``fed.step()`` after every optimizer step (every E steps it
    averages each shard with the same shard of the other groups), ``fed.finish()`` at the end.
 
-Usage (CPU, gloo; ``pip install -e ".[hf]"``)::
+Usage (CPU, gloo; transformers comes with ``pip install --no-build-isolation -e ".[hf]"``)::
 
     python examples/hf_llama.py --nproc 4                 # FL+FSDP: 2 groups x 2 ranks
     python examples/hf_llama.py --nproc 8 --group-size 4 --shard-size 2 \\
