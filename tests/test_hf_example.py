@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="transformers is not installed (the hf extra: pip install transformers)")
+pytest.importorskip("transformers", reason="transformers is not installed (the hf extra)")
 
 from tests.dist import run_distributed  # noqa: E402
 
