@@ -4,7 +4,7 @@ The model is built from a local ``LlamaConfig`` (nothing is downloaded; input an
 embeddings tied) and reads flcomm's built-in byte-level corpus (vocabulary 256). What flcomm
 adds to an ordinary FSDP2 loop is marked ``# flcomm``:
 
-1. a Topology: F federation groups of G ranks, each group FSDP over G ranks, or HSDP with
+1. the strategy's Topology: F federation groups of G ranks, each group FSDP over G ranks, or HSDP with
    R = G / S replicas of S-way shards, and its mesh (dims "fed", "replicate", "shard");
 2. ``fully_shard`` per decoder layer and at the root, on the group's part of the mesh:
    ``mesh["shard"]`` (FL+FSDP) or ``mesh["replicate", "shard"]`` (FL+HSDP);
@@ -14,15 +14,16 @@ adds to an ordinary FSDP2 loop is marked ``# flcomm``:
 Usage (CPU, gloo; transformers comes with ``pip install --no-build-isolation -e ".[hf]"``)::
 
     python examples/hf_llama.py --nproc 4                 # FL+FSDP: 2 groups x 2 ranks
-    python examples/hf_llama.py --nproc 8 --group-size 4 --shard-size 2 \\
+    python examples/hf_llama.py --nproc 8 --strategy fl-hsdp \\
         --codec int8 --error-feedback --overlap           # FL+HSDP: 2 groups x (2 x 2)
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         examples/hf_llama.py                              # one federation group per node
 
-G defaults to one node (LOCAL_WORLD_SIZE ranks), or half the ranks when all share one node;
-S defaults to G (FL+FSDP). End on a multiple of --sync-every, so the groups end equal. On GPUs
-the same loop runs with the "nccl" backend, ``torch.cuda.set_device(LOCAL_RANK)``,
-``topo.build("cuda")`` and the model and batches on the GPU.
+G and S default as in the driver (``flcomm.Strategy``): a group is one node (LOCAL_WORLD_SIZE
+ranks; fl-hsdp: two nodes when that leaves two groups), halved when all ranks share one node.
+End on a multiple of --sync-every, so the groups end equal. On GPUs the same loop runs with the
+"nccl" backend, ``torch.cuda.set_device(LOCAL_RANK)``, ``topo.build("cuda")`` and the model and
+batches on the GPU.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ from flcomm.train.data import BYTE_VOCAB, ShardedLoader, load_tokens
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=None, help="spawn N local processes (else: torchrun's env)")
+    p.add_argument("--strategy", default="fl-fsdp", choices=("fl-fsdp", "fl-hsdp"))
     p.add_argument("--ranks-per-node", type=int, default=None, help="default: LOCAL_WORLD_SIZE")
     p.add_argument("--group-size", type=int, default=None, help="G, ranks per federation group")
-    p.add_argument("--shard-size", type=int, default=None, help="S, ranks per shard group (< G: HSDP)")
+    p.add_argument("--shard-size", type=int, default=None, help="S, ranks per shard group (fl-hsdp)")
     p.add_argument("--sync-every", type=int, default=4, help="E, local steps between averages")
     p.add_argument("--codec", default="none", help="none | bf16 | fp16 | int8 | fp8")
     p.add_argument("--error-feedback", action="store_true")
@@ -77,8 +79,8 @@ def train(args: argparse.Namespace) -> tuple[list[float], nn.Module, flcomm.FedA
     """Train on this rank (torch.distributed initialized); return its losses, model and FedAvg."""
     world, rank = dist.get_world_size(), dist.get_rank()
     L = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    G = args.group_size or (L if L < world else world // 2)
-    topo = flcomm.Topology(world, L, group_size=G, shard_size=args.shard_size or G)  # flcomm
+    strategy = flcomm.Strategy.parse(args.strategy)
+    topo = strategy.topology(world, L, args.group_size, args.shard_size)           # flcomm
     mesh = topo.build("cpu", timeout=timedelta(seconds=args.timeout_s))            # flcomm
     dims = "shard" if topo.num_replicas == 1 else ("replicate", "shard")
 

@@ -38,16 +38,17 @@ def _run(rank: int, world: int, argv: list[str]) -> dict:
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     params = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "params": params, "tied": tied, "num_syncs": fed.num_syncs,
+            "mesh_shape": fed.topology.mesh_shape,
             "inter_group_bytes": fed.mesh.stats.bytes("inter_group")}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,extra", [
-    (4, []),                                                                   # FL+FSDP, 2 x 2
-    (8, ["--group-size", "4", "--shard-size", "2"]),                           # FL+HSDP, 2 x (2 x 2)
-    (8, ["--group-size", "4", "--shard-size", "2", "--codec", "int8", "--error-feedback", "--overlap"]),
+@pytest.mark.parametrize("world,extra,mesh_shape", [
+    (4, [], (2, 1, 2)),                                                        # FL+FSDP, 2 x 2
+    (8, ["--strategy", "fl-hsdp"], (2, 2, 2)),                                 # FL+HSDP, 2 x (2 x 2)
+    (8, ["--strategy", "fl-hsdp", "--codec", "int8", "--error-feedback", "--overlap"], (2, 2, 2)),
 ], ids=["fl-fsdp-4", "fl-hsdp-8", "fl-hsdp-8-int8-ef-overlap"])
-def test_hf_llama_example(world, extra):
+def test_hf_llama_example(world, extra, mesh_shape):
     argv = ["--steps", str(STEPS), "--sync-every", str(E), "--batch-size", "2", "--seq-len", "32",
             "--timeout-s", "120", *extra]
     res = run_distributed(_run, world, argv, timeout=240)
@@ -56,6 +57,7 @@ def test_hf_llama_example(world, extra):
     init = dict(ex.build_model(ex.parse_args(argv)).named_parameters())
     assert all(r["tied"] for r in res), "lm_head and embed_tokens are no longer one parameter"
     assert sorted(res[0]["params"]) == sorted(init)
+    assert all(r["mesh_shape"] == mesh_shape for r in res)  # (groups, replicas, shards)
     assert all(r["num_syncs"] == STEPS // E for r in res)
     assert all(r["inter_group_bytes"] > 0 for r in res)
 
