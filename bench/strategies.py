@@ -26,8 +26,10 @@ Usage (as root, for the emulated cluster)::
     # a real cluster: the same script on every rank
     torchrun --nnodes 4 --nproc-per-node 8 ... bench/strategies.py --launcher torchrun --json s.json
 
-Run spec: ``strategy[:E=<int>][:codec=<name>][:G=<int>][:S=<int>][:overlap][:hier]`` (``hier``:
-the driver's ``--hierarchical`` two-stage FSDP collectives).
+Run spec: ``strategy[:E=<int>][:codec=<name>][:G=<int>][:S=<int>][:frag=<K>][:overlap][:hier][:unsharded]``
+(``frag``: streaming fragments, 1/K of the shard every E/K steps; ``hier``: the driver's
+``--hierarchical`` two-stage FSDP collectives; ``unsharded``: FL+HSDP with every replica
+exchanging its whole shard instead of 1/R of it).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ class RunSpec:
     group_size: int | None = None
     shard_size: int | None = None
     hierarchical: bool = False
+    fragments: int = 1
+    unsharded: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "RunSpec":
@@ -73,8 +77,9 @@ class RunSpec:
         except ValueError as e:
             raise ValueError(f"run spec {text!r}: {e}") from None
         for p in parts[1:]:
-            if p in ("overlap", "hier"):
-                kw["overlap" if p == "overlap" else "hierarchical"] = True
+            flags = {"overlap": "overlap", "hier": "hierarchical", "unsharded": "unsharded"}
+            if p in flags:
+                kw[flags[p]] = True
                 continue
             key, _, val = p.partition("=")
             try:
@@ -88,11 +93,13 @@ class RunSpec:
                     kw["group_size"] = int(val)
                 elif key == "S":
                     kw["shard_size"] = int(val)
+                elif key == "frag":
+                    kw["fragments"] = int(val)
                 else:
                     raise ValueError
             except ValueError:
                 raise ValueError(f"run spec {text!r}: expected E=<int>, codec=<{'|'.join(CODECS)}>, "
-                                 f"G=<int>, S=<int>, overlap or hier after the strategy, got {p!r}") from None
+                                 f"G=<int>, S=<int>, frag=<int>, overlap, hier or unsharded after the strategy, got {p!r}") from None
         return cls(**kw)
 
     def __post_init__(self) -> None:
@@ -106,6 +113,7 @@ class RunSpec:
         s = self.strategy.value
         if self.federated:
             s += f" E={self.sync_every} {self.codec}" + (" ovl" if self.overlap else "")
+            s += (f" frag={self.fragments}" if self.fragments > 1 else "") + (" unsharded" if self.unsharded else "")
         return s + (" hier" if self.hierarchical else "")
 
     def slug(self) -> str:
@@ -116,6 +124,10 @@ class RunSpec:
         if self.federated:
             a += ["--sync-every", str(self.sync_every), "--codec", self.codec,
                   "--overlap" if self.overlap else "--no-overlap"]
+            if self.fragments > 1:
+                a += ["--fragments", str(self.fragments)]
+            if self.unsharded:
+                a += ["--no-sharded-exchange"]
         if self.group_size:
             a += ["--group-size", str(self.group_size)]
         if self.shard_size:
@@ -316,7 +328,8 @@ def analyse(a: argparse.Namespace, measured: dict, results: list[RunResult], com
                          compute_s=compute_s, param_bytes=4, grad_bytes=4,
                          allgathers_per_step=effective_allgathers(a.model), fsdp_units=units)
         plan = cm.Plan(r.spec.strategy, cfgd["group_size"], cfgd["shard_size"], r.spec.sync_every, r.spec.codec,
-                       r.spec.overlap, r.spec.hierarchical)
+                       r.spec.overlap, r.spec.hierarchical, fragments=r.spec.fragments,
+                       sharded_exchange=not r.spec.unsharded)
         pred = cm.predict(cluster, wl, plan)
         steps_n = len(r.steps)
         rec = {

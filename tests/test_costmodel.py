@@ -103,9 +103,41 @@ def test_fl_hsdp_and_units_and_overlap_formula():
     ar = 2 * AE + 2 * 0.5 * (2e6 / U) / (BE / 2)
     inner = U * (2 * ag + rs + ar)
     fed = 2 * AE + 2 * 0.5 * codec_nbytes("bf16", 500_000) / (BE / 2)
-    p = predict(c, wl, Plan("fl-hsdp", group_size=4, shard_size=2, sync_every=2, codec="bf16"))
+    p = predict(c, wl, Plan("fl-hsdp", group_size=4, shard_size=2, sync_every=2, codec="bf16",
+                            sharded_exchange=False))
     assert p.inner_comm_s == pytest.approx(inner, rel=1e-12)
     assert p.step_time_s == pytest.approx(0.1 + inner - min(0.5 * inner, 0.1) + fed / 2, rel=1e-12)
+
+
+def test_sharded_fl_hsdp_exchange_formula():
+    """FL+HSDP, F = 2 groups of R = 2 replicas x S = 2 shards on 4 nodes x 2: each replica
+    all-reduces half of the N / S shard over the groups, then the replicas all-gather the
+    averaged fp32 shard: inter-group bytes / R, plus (R-1)/R of the shard inside the group."""
+    c = cluster(nodes=4)
+    enc = codec_nbytes("bf16", 250_000)                    # half of the 500k-element shard
+    ar = 2 * AE + 2 * 1.0 * enc / BE                        # F = 2, two groups share each NIC
+    ag = AE + 2 * 0.5 * 2_000_000 / BE                      # R = 2 at stride 2, fp32 shard
+    plan = Plan("fl-hsdp", group_size=4, shard_size=2, sync_every=2, codec="bf16")
+    p = predict(c, workload(), plan)
+    assert p.fed_comm_s == pytest.approx(ar + ag, rel=1e-12)
+    plain = predict(c, workload(), Plan("fl-hsdp", group_size=4, shard_size=2, sync_every=2, codec="bf16",
+                                        sharded_exchange=False))
+    assert p.intergroup_bytes_per_step == pytest.approx(enc / 2)
+    assert plain.intergroup_bytes_per_step == pytest.approx(2 * p.intergroup_bytes_per_step)
+    assert p.internode_bytes_per_step - plain.internode_bytes_per_step == pytest.approx(1_000_000 / 2)
+
+
+def test_fragments_move_a_kth_every_e_over_k_steps():
+    enc = codec_nbytes("int8", 250_000)  # half of the N / S = 500k shard
+    frag = 2 * AE + 2 * 0.5 * enc / (BE / 2)
+    p = predict(cluster(), workload(), Plan("fl-fsdp", group_size=2, sync_every=4, codec="int8", fragments=2))
+    ag = AI + 0.5 * 2e6 / BI
+    rs = AI + 0.5 * 4e6 / BI
+    assert p.fed_comm_s == pytest.approx(frag, rel=1e-12)
+    assert p.step_time_s == pytest.approx(0.1 + 2 * ag + rs + frag * 2 / 4, rel=1e-12)
+    assert p.intergroup_bytes_per_step == pytest.approx(enc * 2 / 4)
+    with pytest.raises(ValueError, match="fragments .K. must divide sync_every=4, got 3"):
+        Plan("fl-fsdp", sync_every=4, fragments=3)
 
 
 def _a16(n: int) -> int:

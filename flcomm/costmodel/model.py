@@ -228,7 +228,9 @@ class Workload:
 @dataclass(frozen=True)
 class Plan:
     """A strategy and its knobs. ``group_size`` (G) and ``shard_size`` (S) default to the
-    strategy's (:meth:`Strategy.topology`); ``sync_every`` (E),
+    strategy's (:meth:`Strategy.topology`); ``fragments`` (K, streaming: 1/K of the shard every
+    E/K steps) and ``sharded_exchange`` (FL+HSDP: each replica averages 1/R of the shard over the
+    groups, then the replicas all-gather; None = on when R > 1) shape the exchange; ``sync_every`` (E),
     ``codec`` and ``overlap`` apply to the FedAvg exchange; ``hierarchical`` makes in-group
     collectives that span nodes go intra-node first."""
 
@@ -241,10 +243,15 @@ class Plan:
     hierarchical: bool = False
     error_feedback: bool = False
     outer: str = "avg"
+    fragments: int = 1
+    sharded_exchange: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", Strategy.parse(self.strategy))
         object.__setattr__(self, "outer", Outer.parse(self.outer).value)
+        positive_int("fragments", self.fragments)
+        if self.sync_every % self.fragments:
+            raise ValueError(f"fragments (K) must divide sync_every={self.sync_every}, got {self.fragments}")
         positive_int("sync_every", self.sync_every)
         if self.codec not in CODECS:
             raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
@@ -258,6 +265,8 @@ class Plan:
         if self.strategy.federated:
             s += f" G={self.group_size} E={self.sync_every} {self.codec}" + ("+ef" if self.error_feedback else "")
             s += (" nesterov" if self.outer == "nesterov" else "") + (" overlap" if self.overlap else "")
+            s += f" frag={self.fragments}" if self.fragments > 1 else ""
+            s += " unsharded" if self.sharded_exchange is False and self.strategy.hybrid else ""
         if self.strategy.hybrid:
             s += f" S={self.shard_size}"
         return s
@@ -421,6 +430,29 @@ def memory_per_rank(workload: Workload, plan: Plan, shard_size: int) -> dict[str
             "fedavg": fed, "activations": workload.activation_bytes}
 
 
+def _exchange(cluster: Cluster, plan: Plan, N: float, G: int, S: int, F: int, R: int,
+              per_step: dict[str, float]) -> float:
+    """Time of one FedAvg exchange (one fragment of the N / S shard), adding its bytes per step.
+
+    Plain: the codec's encoding of the fragment, all-reduced over the F groups (stride G).
+    Sharded (FL+HSDP, R > 1): each replica all-reduces 1/R of it over the groups, then the R
+    replicas (stride S, inside the group) all-gather the averaged fp32 fragment.
+    """
+    K, E = plan.fragments, plan.sync_every
+    sharded = R > 1 and plan.sharded_exchange is not False
+    numel = N / S / K
+    enc = codec_nbytes(plan.codec, int(math.ceil(numel / (R if sharded else 1))))
+    t, b = collective_time("all_reduce", enc, F, cluster, stride=G, inter=cluster.inter_group,
+                           inter_tier=LinkTier.INTER_GROUP, hierarchical=plan.hierarchical)
+    # NOTE: the exchange is tagged inter-group whatever links it crosses, as FedMesh does.
+    _add(per_step, {LinkTier.INTER_GROUP.value: sum(b.values())}, K / E)
+    if sharded:
+        t2, b2 = collective_time("all_gather", 4 * numel, R, cluster, stride=S, hierarchical=plan.hierarchical)
+        t += t2
+        _add(per_step, b2, K / E)
+    return t
+
+
 def predict(cluster: Cluster, workload: Workload, plan: Plan) -> Prediction:
     """Predict one step of ``plan``.
 
@@ -431,8 +463,9 @@ def predict(cluster: Cluster, workload: Workload, plan: Plan) -> Prediction:
          of the N / S gradient shard over the R replicas (stride S); each issued once per FSDP
          unit on 1/units of the buffer;
       3. FL: one FedAvg exchange = all-reduce of the codec's encoding of the N / S shard over F
-         groups (stride G, inter-group link), amortized over E steps; with overlap only what
-         does not fit behind ``overlap_steps`` steps of compute is exposed;
+         groups (stride G, inter-group link), amortized over E steps (:func:`_exchange`: K
+         fragments, the sharded FL+HSDP exchange); with overlap only what does not fit behind
+         ``overlap_steps`` steps of compute is exposed;
       4. step = compute + inner - hidden inner + exposed exchange / E;
       5. memory per rank: :func:`memory_per_rank`.
     """
@@ -456,18 +489,12 @@ def predict(cluster: Cluster, workload: Workload, plan: Plan) -> Prediction:
         t, b = collective_time("all_reduce", N * workload.grad_bytes / S / U, R, cluster, stride=S, hierarchical=h)
         inner += U * t
         _add(per_step, b, U)
-    fed = 0.0
-    if F > 1:
-        enc = codec_nbytes(plan.codec, int(math.ceil(N / S)))
-        fed, b = collective_time("all_reduce", enc, F, cluster, stride=G, inter=cluster.inter_group,
-                                 inter_tier=LinkTier.INTER_GROUP, hierarchical=h)
-        # NOTE: the exchange is tagged inter-group whatever links it crosses, as FedMesh does.
-        moved = {LinkTier.INTER_GROUP.value: sum(b.values())}
-        _add(per_step, moved, 1.0 / plan.sync_every)
+    fed = _exchange(cluster, plan, N, G, S, F, R, per_step) if F > 1 else 0.0
     c = workload.compute_s
     hidden = min(workload.fsdp_overlap * inner, c)
     fed_exposed = max(0.0, fed - workload.overlap_steps * c) if plan.overlap else fed
-    step = c + inner - hidden + fed_exposed / plan.sync_every
+    # NOTE: K fragments: an exchange of 1/K of the shard every E/K steps
+    step = c + inner - hidden + fed_exposed * plan.fragments / plan.sync_every
     plan = replace(plan, group_size=G if plan.strategy.federated else None,
                    shard_size=S if plan.strategy.hybrid else None)
     return Prediction(plan=plan, world_size=P, group_size=G, shard_size=S, step_time_s=step, compute_s=c,
