@@ -15,7 +15,8 @@
 // Speed (int8/fp8): one sweep over memory per block. Pass 1 reads the block (1 KiB at block 256)
 // for its absmax; pass 2 re-reads it from L1 and writes the encoding. FLCOMM_CPU_VEC=0 forces the
 // scalar path; it is read at every call, so tests can switch paths within one process.
-#include "common.h"
+// NOTE: not common.h (torch/extension.h, pybind11): this file needs ATen and the op registry
+// only, and compiles several times faster without them.
 #include "quant.h"
 
 #include <ATen/Parallel.h>
