@@ -22,9 +22,11 @@
 #                   groups, recordStream, non-blocking wait, compute not blocked by an exchange in
 #                   flight, dropping a communicator with queued work, FSDP2 bf16 with a slow
 #                   hook). Probes write their figures to $OUT/figures.jsonl.
-#   5. pytest_kernels  the CPU tests of tests/test_kernels.py (the CPU paths, and the .ftz check
-#                   of the PTX that setup.py's nvcc flags produce)
-#   6. bench_kernels   int8 / fp8 at 64 MiB, block 256, GB/s as a fraction of a device copy
+#   5. pytest_kernels  the CPU tests of tests/test_kernels.py (CPU paths; the PTX .ftz check is
+#                   left to CI, the SASS of the real build is checked in step 6)
+#   6. sass_ftz     cuobjdump -sass of the built flcomm._C: count of .FTZ instructions in the
+#                   quantization kernels (pass rule: 0), recorded as a figure
+#   7. bench_kernels   int8 / fp8 at 64 MiB, block 256, GB/s as a fraction of a device copy
 # Ends with $OUT/summary.json: per step rc and seconds; per test outcome, time and message; the
 # probes' figures; the kernel benchmark records; flcomm info. Exit status: 0 when all passed.
 set -uo pipefail
@@ -137,11 +139,26 @@ elif ! step build 240 "$PY" setup.py build_ext --inplace --build-temp "build/gpu
   fi
 fi
 
+# The SASS of the real build: .FTZ instructions inside quant_blocks_kernel (pass rule: none).
+sass_ftz() {
+  local so n
+  so=$(ls flcomm/_C*.so | head -1)
+  "$CUDA_HOME/bin/cuobjdump" -sass "$so" > "$OUT/sass.txt" || return 1
+  n=$(awk '/Function : /{on = /quant_blocks_kernel/} on && /FTZ/' "$OUT/sass.txt" | wc -l)
+  echo "{\"test\": \"sass_ftz\", \"ftz_in_quant_blocks_kernel\": $n}" >> "$OUT/figures.jsonl"
+  echo "FTZ instructions in quant_blocks_kernel: $n"
+  rm -f "$OUT/sass.txt"
+  [ "$n" = 0 ]
+}
+export -f sass_ftz
+export OUT
+
 if [ "${SKIP_REST:-0}" != 1 ]; then
   step info 60 bash -c "'$PY' -m flcomm info && '$PY' -m flcomm info --json > '$OUT/info.json'"
   step pytest_gpu 200 "$PY" -m pytest tests -m "gpu or multigpu" "${PYTEST_OPTS[@]}" --junitxml="$OUT/pytest_gpu.xml"
-  step pytest_kernels 90 "$PY" -m pytest tests/test_kernels.py -m "not gpu" "${PYTEST_OPTS[@]}" \
+  step pytest_kernels 90 "$PY" -m pytest tests/test_kernels.py -m "not gpu" -k "not ftz" "${PYTEST_OPTS[@]}" \
     --junitxml="$OUT/pytest_kernels.xml"
+  step sass_ftz 60 bash -c sass_ftz
   step bench_kernels 60 "$PY" bench/kernels.py --device cuda --formats int8 fp8 --sizes 64M --block-sizes 256 \
     --json "$OUT/bench_kernels.json"
 fi
