@@ -318,6 +318,8 @@ def test_group_end_records_on_the_ops_stream(comm):
 def test_groups_are_per_thread(comm):
     """Item 7. Pass rule: a group open on the main thread does not capture another thread's
     launch (it completes on its own), and another communicator cannot join the open group."""
+    # NOTE: made before the group opens: an NCCL init inside a group would join the group
+    other = C().NcclComm(C().nccl_unique_id(), 1, 0, 0, 60.0)
     comm.group_start()
     result: dict = {}
 
@@ -332,7 +334,6 @@ def test_groups_are_per_thread(comm):
     t = threading.Thread(target=other_thread)
     t.start()
     t.join(60)
-    other = C().NcclComm(C().nccl_unique_id(), 1, 0, 0, 60.0)
     try:
         with pytest.raises(RuntimeError, match="another communicator"):
             other.all_reduce(torch.ones(4, device="cuda"), "sum")
@@ -351,6 +352,11 @@ def test_launch_records_the_stream_with_the_allocator(comm):
     side stream that is still sleeping, then dropped with its work handle: the caching allocator
     must not hand its block to the next allocation of the same size on the default stream."""
     n = 1 << 20
+    # control: on one stream, a freed block is handed to the next allocation of its size
+    c = torch.ones(n, device="cuda")
+    cptr = c.data_ptr()
+    del c
+    assert torch.empty(n, device="cuda").data_ptr() == cptr, "the allocator does not reuse blocks here"
     x = torch.ones(n, device="cuda")
     ptr = x.data_ptr()
     torch.cuda.synchronize()
