@@ -100,6 +100,48 @@ def cuda_archs() -> list[str]:
     return archs
 
 
+def nvcc_flags(debug: bool = False) -> list[str]:
+    """nvcc flags of flcomm's CUDA sources (on top of torch's own).
+
+    NOTE: no --use_fast_math: it implies -ftz=true, and flushing subnormals to zero breaks the
+    bit-for-bit match with the CPU kernels (error-feedback residuals of tiny blocks keep
+    subnormals). -ftz=false is spelled out; the kernels round explicitly (__fmul_rn, ...), so FMA
+    contraction does not matter. tests/test_kernels.py compiles csrc/quant_cuda.cu to PTX with
+    these flags (ptx_command) and asserts that no `.ftz` instruction appears.
+    """
+    opt = ["-O0", "-g"] if debug else ["-O3"]
+    return opt + ["-ftz=false", "-prec-div=true", "-prec-sqrt=true", "--expt-relaxed-constexpr", "-lineinfo"]
+
+
+def ptx_command(source: str, output: str, arch: str = "90", cuda_home: str | None = None) -> list[str]:
+    """The nvcc command that compiles one of our .cu files to PTX with the flags of the real build
+    (ours, torch's common ones, the include paths, the C++ standard); used by the `.ftz` test."""
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    home = cuda_home or find_cuda_home() or "/usr/local/cuda"
+    try:
+        incs = cpp_extension.include_paths(device_type="cuda")
+    except TypeError:  # torch < 2.6: include_paths(cuda=True)
+        incs = cpp_extension.include_paths(cuda=True)
+    cmd = [os.path.join(home, "bin", "nvcc"), "--ptx", source, "-o", output, f"-arch=sm_{arch}",
+           "-DFLCOMM_WITH_CUDA=1", f"-I{os.path.join(ROOT, 'csrc')}",
+           f"-I{sysconfig.get_paths()['include']}"]
+    cmd += [f"-I{i}" for i in incs]
+    cmd += list(cpp_extension.COMMON_NVCC_FLAGS) + nvcc_flags()
+    cmd.append(_torch_cxx_std())
+    return cmd
+
+
+def _torch_cxx_std() -> str:
+    """The -std torch's cpp_extension adds (C++20 since torch 2.13, C++17 before)."""
+    import torch
+
+    major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    return "-std=c++20" if (major, minor) >= (2, 13) else "-std=c++17"
+
+
 def default_max_jobs(cuda: bool) -> int:
     cores = os.cpu_count() or 1
     try:
@@ -162,11 +204,10 @@ def extensions():
             nccl_msg = "no NCCL found (pip install nvidia-nccl-cu13 or set NCCL_HOME): NCCL communicator skipped"
         log(f"building C++ and CUDA (torch {torch.__version__}, CUDA {torch_cuda}, toolkit {cuda_home}, "
             f"arches {','.join(archs)}); {nccl_msg}")
-        nvcc_flags = opt + ["--use_fast_math", "--expt-relaxed-constexpr", "-lineinfo"]
         ext = cpp_extension.CUDAExtension(
             "flcomm._C", sources, include_dirs=include_dirs, library_dirs=library_dirs,
             libraries=libraries, define_macros=define_macros,
-            extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags}, extra_link_args=extra_link)
+            extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags(debug)}, extra_link_args=extra_link)
     else:
         log(f"building C++ only (CPU kernels): {'; '.join(reasons)}")
         ext = cpp_extension.CppExtension(
@@ -178,9 +219,10 @@ def extensions():
     return [ext], cpp_extension.BuildExtension.with_options(use_ninja=True)
 
 
-ext_modules, build_ext = extensions()
-setup(
-    packages=find_packages(include=["flcomm", "flcomm.*"]),
-    ext_modules=ext_modules,
-    cmdclass={"build_ext": build_ext},
-)
+if __name__ == "__main__":  # NOTE: importable (tests ask for nvcc_flags / ptx_command)
+    ext_modules, build_ext = extensions()
+    setup(
+        packages=find_packages(include=["flcomm", "flcomm.*"]),
+        ext_modules=ext_modules,
+        cmdclass={"build_ext": build_ext},
+    )

@@ -40,7 +40,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "ncclGetUniqueId(): the 128 bytes rank 0 shares with the other ranks (needs no GPU)");
     py::class_<NcclWork, std::shared_ptr<NcclWork>>(m, "NcclWork")
         .def("wait", &NcclWork::wait, py::arg("timeout_s") = -1.0, nogil())
-        .def("is_completed", &NcclWork::is_completed);
+        .def("is_completed", &NcclWork::is_completed)
+        .def("stream_wait", &NcclWork::stream_wait);
     py::class_<NcclComm, std::shared_ptr<NcclComm>>(m, "NcclComm")
         .def(py::init<const std::string&, int, int, int, double>(), py::arg("unique_id"), py::arg("nranks"),
              py::arg("rank"), py::arg("device"), py::arg("timeout_s") = 300.0, nogil())

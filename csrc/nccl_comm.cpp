@@ -8,8 +8,9 @@
 #include "common.h"
 
 #ifdef FLCOMM_WITH_NCCL
-#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <nccl.h>
 
 #include <algorithm>
@@ -40,8 +41,6 @@ struct NcclCommState {
   bool aborted = false;
   bool destroyed = false;
   std::string abort_reason;
-  int group_depth = 0;
-  std::shared_ptr<NcclEvent> group_event;  // the open group's event, recorded at group_end()
   // NOTE: guards `comm` and the flags: wait() runs without the GIL and abort() may come from
   // another thread; NCCL must never see a comm that another thread is freeing.
   std::mutex mu;
@@ -57,10 +56,15 @@ struct NcclEvent {
 
   explicit NcclEvent(int dev) : device(dev) {}
   ~NcclEvent() {
-    if (event != nullptr) {
+    if (event == nullptr) return;
+    // NOTE: never throws (a throwing destructor is std::terminate): at interpreter teardown the
+    // CUDA context may already be gone, and the guard or the destroy may fail; nothing to report.
+    try {
       c10::cuda::CUDAGuard guard(device);
-      (void)cudaEventDestroy(event);  // NOTE: a destructor must not throw; nothing to report to
+      (void)cudaEventDestroy(event);
+    } catch (...) {
     }
+    (void)cudaGetLastError();
   }
   void record(cudaStream_t stream) {
     if (event == nullptr) FLCOMM_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
@@ -215,33 +219,55 @@ void check_pair(const NcclCommState& st, const at::Tensor& out, const at::Tensor
               out.scalar_type(), " and ", in.scalar_type());
 }
 
+// NOTE: NCCL groups are per thread (ncclGroupStart/End nest per calling thread, and torch's
+// ProcessGroupNCCL calls the same libnccl), so the open group is thread-local state, not the
+// communicator's. One group holds the ops of one communicator, launched on one stream.
+struct ThreadGroup {
+  int depth = 0;
+  const NcclCommState* comm = nullptr;  // the communicator of the open group
+  std::shared_ptr<NcclEvent> event;     // recorded at the outermost group_end()
+  bool has_stream = false;              // whether an op was launched in the group yet
+  cudaStream_t stream = nullptr;        // the stream of the group's ops
+};
+thread_local ThreadGroup tl_group;
+
+bool in_group_of(const NcclCommState& st) { return tl_group.depth > 0 && tl_group.comm == &st; }
+
+// Inside an open group: checks that an op of `st` on `stream` may join it.
+void check_group_launch(const NcclCommState& st, cudaStream_t stream, const std::string& what) {
+  const ThreadGroup& g = tl_group;
+  if (g.depth == 0) return;
+  TORCH_CHECK(g.comm == &st, what, ": a group_start() of another communicator is open on this thread; a group ",
+              "holds the ops of one communicator (NCCL groups are per thread): call its group_end() first");
+  TORCH_CHECK(!g.has_stream || g.stream == stream, what, ": the ops of one group must launch on one CUDA stream; ",
+              "the group's first op used stream ", static_cast<const void*>(g.stream), ", this one ",
+              static_cast<const void*>(stream));
+}
+
+// NOTE: as ProcessGroupNCCL: tell the caching allocator that the tensors are used on `stream`, so
+// memory allocated on another stream is not reused while the launch still reads or writes it,
+// even when the caller drops the tensors and the work handle at once. A no-op when `stream` is
+// the allocation stream, and for memory the caching allocator does not own.
+void record_streams(const std::vector<at::Tensor>& tensors, const c10::cuda::CUDAStream& stream) {
+  for (const auto& t : tensors) {
+    if (t.defined() && t.storage().data_ptr().get() != nullptr) {
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
+    }
+  }
+}
+
 }  // namespace
 
 NcclCommState::~NcclCommState() {
-  // NOTE: never throws. A clean shutdown (finalize + destroy) when nothing failed; abort when
-  // the communicator is in error, or when finalize does not complete within the timeout.
+  // NOTE: never throws and never waits. destroy() is the clean shutdown (finalize, bounded by the
+  // timeout). Getting here with a live communicator means destroy() was not called: typically
+  // Python's GC dropping the last reference with the GIL held, where a finalize could poll for up
+  // to the timeout (300 s) and stall every thread. ncclCommAbort returns without waiting for
+  // peers or queued work.
   if (comm == nullptr || aborted || destroyed) return;
   try {
     c10::cuda::CUDAGuard guard(device);
-    ncclResult_t state = ncclSuccess;
-    ncclResult_t res = ncclCommGetAsyncError(comm, &state);
-    if (res == ncclSuccess && state != ncclSuccess && state != ncclInProgress) res = state;
-    if (res == ncclSuccess) res = ncclCommFinalize(comm);
-    if (res != ncclSuccess && res != ncclInProgress) {
-      (void)ncclCommAbort(comm);
-    } else {
-      const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
-      for (int iter = 0;; ++iter) {
-        if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) state = ncclSystemError;
-        if (state != ncclInProgress || Clock::now() > deadline) break;
-        sleep_backoff(iter);
-      }
-      if (state == ncclSuccess) {
-        (void)ncclCommDestroy(comm);
-      } else {
-        (void)ncclCommAbort(comm);
-      }
-    }
+    (void)ncclCommAbort(comm);
   } catch (...) {
   }
   comm = nullptr;
@@ -275,6 +301,24 @@ bool NcclWork::is_completed() {
     throw std::runtime_error(msg);
   }
   return false;
+}
+
+void NcclWork::stream_wait() {
+  NcclCommState& st = *comm_;
+  std::lock_guard<std::mutex> lock(st.mu);
+  TORCH_CHECK(event_->recorded,
+              "NcclWork.stream_wait: the work of an open group completes with group_end(); call it first");
+  if (event_->done) return;
+  check_alive_locked(st, "NcclWork.stream_wait");
+  ncclResult_t state = async_state_locked(st);
+  if (state != ncclSuccess && state != ncclInProgress) {
+    std::string msg = async_message_locked(st, state, "NcclWork.stream_wait");
+    abort_locked(st, msg);
+    throw std::runtime_error(msg);
+  }
+  c10::cuda::CUDAGuard guard(event_->device);
+  FLCOMM_CUDA_CHECK(
+      cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(event_->device).stream(), event_->event, 0));
 }
 
 bool NcclWork::wait(double timeout_s) {
@@ -357,36 +401,41 @@ NcclComm::~NcclComm() = default;  // NOTE: NcclCommState's destructor shuts NCCL
 std::shared_ptr<NcclComm> NcclComm::split(int color, int key, double timeout_s) {
   NcclCommState& st = *st_;
   if (timeout_s < 0) timeout_s = st.timeout_s;
-  ncclComm_t child = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(st.mu);
-    check_alive_locked(st, "NcclComm.split");
-    TORCH_CHECK(st.group_depth == 0, "NcclComm.split: not allowed inside group_start()/group_end()");
-    c10::cuda::CUDAGuard guard(st.device);
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    FLCOMM_NCCL_CHECK(ncclCommSplit(st.comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config), st.comm);
-  }
+  TORCH_CHECK(!in_group_of(st), "NcclComm.split: not allowed inside group_start()/group_end()");
   auto cst = std::make_shared<NcclCommState>();
   cst->device = st.device;
   cst->timeout_s = timeout_s;
-  cst->comm = child;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    check_alive_locked(st, "NcclComm.split");
+    c10::cuda::CUDAGuard guard(st.device);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    // NOTE: with a non-blocking parent, ncclCommSplit writes *newcomm only when its async job
+    // ends: the target must outlive this call (heap memory, `cst`), and is read only once the
+    // parent's state has left ncclInProgress.
+    FLCOMM_NCCL_CHECK(ncclCommSplit(st.comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &cst->comm, &config),
+                      st.comm);
+  }
   try {
     // NOTE: the split is a collective of the parent: poll it (it is the only handle a rank with
     // no color has), then the child's own init.
     await_ready(st, "NcclComm.split", timeout_s);
-    if (child == nullptr) {
+    if (cst->comm == nullptr) {
+      TORCH_CHECK(color < 0, "NcclComm.split: NCCL returned no communicator for color ", color);
       cst->destroyed = true;
       return nullptr;
     }
     await_ready(*cst, "NcclComm.split (new communicator)", timeout_s);
+    FLCOMM_NCCL_CHECK(ncclCommUserRank(cst->comm, &cst->rank), cst->comm);
+    FLCOMM_NCCL_CHECK(ncclCommCount(cst->comm, &cst->size), cst->comm);
   } catch (...) {
+    // NOTE: a failed parent poll aborted the parent, which ends its async job: nothing writes
+    // cst->comm after this point.
     std::lock_guard<std::mutex> lock(cst->mu);
     abort_locked(*cst, "split failed");
     throw;
   }
-  FLCOMM_NCCL_CHECK(ncclCommUserRank(child, &cst->rank), child);
-  FLCOMM_NCCL_CHECK(ncclCommCount(child, &cst->size), child);
   return std::make_shared<NcclComm>(std::move(cst));
 }
 
@@ -400,8 +449,9 @@ std::shared_ptr<NcclWork> launch(const std::shared_ptr<NcclCommState>& sp, const
                                  std::vector<at::Tensor> tensors, Issue issue) {
   NcclCommState& st = *sp;
   c10::cuda::CUDAGuard guard(st.device);
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(st.device).stream();
-  std::shared_ptr<NcclEvent> event;
+  const c10::cuda::CUDAStream cstream = c10::cuda::getCurrentCUDAStream(st.device);
+  const cudaStream_t stream = cstream.stream();
+  check_group_launch(st, stream, what);
   {
     std::lock_guard<std::mutex> lock(st.mu);
     check_alive_locked(st, what.c_str());
@@ -416,10 +466,15 @@ std::shared_ptr<NcclWork> launch(const std::shared_ptr<NcclCommState>& sp, const
       }
       throw;
     }
-    if (st.group_depth > 0) return std::make_shared<NcclWork>(sp, st.group_event, std::move(tensors));
+  }
+  record_streams(tensors, cstream);
+  if (tl_group.depth > 0) {
+    tl_group.has_stream = true;
+    tl_group.stream = stream;
+    return std::make_shared<NcclWork>(sp, tl_group.event, std::move(tensors));
   }
   await_ready(st, what, st.timeout_s);
-  event = std::make_shared<NcclEvent>(st.device);
+  auto event = std::make_shared<NcclEvent>(st.device);
   event->record(stream);
   return std::make_shared<NcclWork>(sp, std::move(event), std::move(tensors));
 }
@@ -511,24 +566,43 @@ std::shared_ptr<NcclWork> NcclComm::broadcast(const at::Tensor& tensor, int root
 
 void NcclComm::group_start() {
   NcclCommState& st = *st_;
+  ThreadGroup& g = tl_group;
+  TORCH_CHECK(g.depth == 0 || g.comm == &st, "NcclComm.group_start: a group of another communicator is open on ",
+              "this thread (NCCL groups are per thread): call its group_end() first");
   std::lock_guard<std::mutex> lock(st.mu);
   check_alive_locked(st, "NcclComm.group_start");
   FLCOMM_NCCL_CHECK(ncclGroupStart(), st.comm);
-  if (st.group_depth++ == 0) st.group_event = std::make_shared<NcclEvent>(st.device);
+  if (g.depth++ == 0) {
+    g.comm = &st;
+    g.event = std::make_shared<NcclEvent>(st.device);
+    g.has_stream = false;
+    g.stream = nullptr;
+  }
 }
 
 std::shared_ptr<NcclWork> NcclComm::group_end() {
   NcclCommState& st = *st_;
   const std::string what = "NcclComm.group_end";
+  ThreadGroup& g = tl_group;
+  TORCH_CHECK(g.depth > 0, what, ": no open group on this thread (call group_start() first)");
+  TORCH_CHECK(g.comm == &st, what, ": the open group belongs to another communicator");
   c10::cuda::CUDAGuard guard(st.device);
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(st.device).stream();
+  // NOTE: the event goes on the stream the group's ops launched on, not on whatever stream is
+  // current now; a group without ops records on the current stream.
+  const cudaStream_t stream = g.has_stream ? g.stream : c10::cuda::getCurrentCUDAStream(st.device).stream();
+  const bool outermost = g.depth == 1;
   std::shared_ptr<NcclEvent> event;
   {
     std::lock_guard<std::mutex> lock(st.mu);
-    TORCH_CHECK(st.group_depth > 0, what, ": no open group (call group_start() first)");
+    // NOTE: the thread's depth drops first, as NCCL's does with ncclGroupEnd, so an error below
+    // does not leave this thread inside a group forever.
+    --g.depth;
+    if (outermost) {
+      event = std::move(g.event);
+      g.comm = nullptr;
+      g.has_stream = false;
+    }
     check_alive_locked(st, what.c_str());
-    const bool outermost = --st.group_depth == 0;
-    if (outermost) event = std::move(st.group_event);
     FLCOMM_NCCL_CHECK(ncclGroupEnd(), st.comm);
     if (!outermost) return nullptr;
   }
@@ -551,7 +625,7 @@ void NcclComm::destroy() {
       st.destroyed = true;
       return;
     }
-    TORCH_CHECK(st.group_depth == 0, "NcclComm.destroy: a group is open (call group_end() first)");
+    TORCH_CHECK(!in_group_of(st), "NcclComm.destroy: a group is open (call group_end() first)");
     c10::cuda::CUDAGuard guard(st.device);
     try {
       FLCOMM_NCCL_CHECK(ncclCommFinalize(st.comm), st.comm);
@@ -619,6 +693,7 @@ NcclWork::NcclWork(std::shared_ptr<NcclCommState> comm, std::shared_ptr<NcclEven
     : comm_(std::move(comm)), event_(std::move(event)), tensors_(std::move(tensors)) {}
 bool NcclWork::wait(double) { no_nccl(); }
 bool NcclWork::is_completed() { no_nccl(); }
+void NcclWork::stream_wait() { no_nccl(); }
 NcclComm::NcclComm(std::shared_ptr<NcclCommState> state) : st_(std::move(state)) {}
 NcclComm::NcclComm(const std::string&, int, int, int, double) { no_nccl(); }
 NcclComm::~NcclComm() = default;

@@ -43,6 +43,10 @@ class NcclWork {
   bool wait(double timeout_s = -1.0);
   // Non-blocking: whether the launch has completed; throws on an NCCL error (after aborting).
   bool is_completed();
+  // Non-blocking wait, as torch's ProcessGroupNCCL Work.wait(): the current stream of the
+  // communicator's device waits for the launch (cudaStreamWaitEvent); the host does not block.
+  // Throws (after aborting) when the communicator has already reported an NCCL error.
+  void stream_wait();
 
  private:
   std::shared_ptr<NcclCommState> comm_;
@@ -64,7 +68,8 @@ class NcclComm {
   std::shared_ptr<NcclComm> split(int color, int key, double timeout_s = -1.0);
 
   // Collectives, launched on the current CUDA stream of the communicator's device. `op` is
-  // "sum", "avg", "max" or "min". Every check runs before anything is issued. Inside a
+  // "sum", "avg", "max" or "min". Every check runs before anything is issued. The tensors are
+  // recorded on the launch stream with the caching allocator (recordStream). Inside a
   // group_start()/group_end() block the returned work completes with the block's group_end().
   std::shared_ptr<NcclWork> all_reduce(const at::Tensor& tensor, const std::string& op);
   std::shared_ptr<NcclWork> reduce_scatter(const at::Tensor& output, const at::Tensor& input,
@@ -75,15 +80,18 @@ class NcclComm {
   std::shared_ptr<NcclWork> all_to_all(const at::Tensor& output, const at::Tensor& input);
   std::shared_ptr<NcclWork> broadcast(const at::Tensor& tensor, int root);
 
+  // Groups are per thread, as NCCL's: a group holds the ops of this communicator only, all on
+  // one stream (other communicators or streams are rejected before anything is issued).
   void group_start();
-  // Ends the innermost block; the outermost one launches the block and returns its work
-  // (nullptr for an inner one).
+  // Ends the innermost block; the outermost one launches the block and returns its work, whose
+  // event is recorded on the stream of the group's ops (nullptr for an inner one).
   std::shared_ptr<NcclWork> group_end();
 
   // ncclCommAbort: drops outstanding work; the communicator is unusable afterwards.
   void abort();
-  // ncclCommFinalize (bounded by the timeout, else abort) + ncclCommDestroy. Idempotent; also
-  // run on destruction.
+  // ncclCommFinalize (bounded by the timeout, else abort) + ncclCommDestroy. Idempotent. A
+  // communicator dropped without destroy() is aborted (never finalized) by its destructor, which
+  // neither waits nor throws.
   void destroy();
 
   int rank() const;

@@ -9,8 +9,14 @@
 //
 // NOTE: AVX2 code lives in functions with __attribute__((target)) instead of a -mavx2 build
 // flag, so the extension still loads on CPUs without AVX2 and setup.py needs no per-file flags.
-// Non-finite inputs are not supported (NaN scales propagate; results are unspecified).
-#include "common.h"
+// Non-finite and tiny blocks follow the rule in quant.h, on both paths: the absmax is an integer
+// max over the bits of |y|, so the NaN/Inf check costs nothing extra per element.
+//
+// Speed (int8/fp8): one sweep over memory per block. Pass 1 reads the block (1 KiB at block 256)
+// for its absmax; pass 2 re-reads it from L1 and writes the encoding. FLCOMM_CPU_VEC=0 forces the
+// scalar path; it is read at every call, so tests can switch paths within one process.
+// NOTE: not common.h (torch/extension.h, pybind11): this file needs ATen and the op registry
+// only, and compiles several times faster without them.
 #include "quant.h"
 
 #include <ATen/Parallel.h>
@@ -37,10 +43,8 @@ namespace {
 // Elements per parallel task: big enough that the OpenMP fork is amortized.
 constexpr int64_t kGrainElems = 1 << 16;
 
-bool use_avx2() {
+bool cpu_has_avx2() {
   static const bool ok = [] {
-    const char* env = std::getenv("FLCOMM_CPU_VEC");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
 #ifdef FLCOMM_QUANT_X86
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
@@ -49,6 +53,14 @@ bool use_avx2() {
 #endif
   }();
   return ok;
+}
+
+// NOTE: getenv at every call (~100 ns against kernels of microseconds at least), so the tests can
+// force the scalar path in-process (Python's os.environ writes through to the C environment).
+bool use_avx2() {
+  if (!cpu_has_avx2()) return false;
+  const char* env = std::getenv("FLCOMM_CPU_VEC");
+  return env == nullptr || std::strcmp(env, "0") != 0;
 }
 
 const std::array<float, 256>& fp8_table() {
@@ -62,38 +74,77 @@ const std::array<float, 256>& fp8_table() {
 
 inline uint8_t fp8_bits(float v) { return c10::Float8_e4m3fn(v).x; }
 
+inline uint32_t abs_bits(float y) {
+  uint32_t u;
+  std::memcpy(&u, &y, 4);
+  return u & 0x7fffffffu;
+}
+
+inline float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// The per-block constants of the rule in quant.h, from the bits of the absmax.
+struct BlockScale {
+  float scale;  // stored; absmax / qmax, NaN for a non-finite block
+  float inv;    // qmax / (absmax * pre); 0 for a zero or non-finite block
+  float pre;    // kTinyPrescale for a tiny block, else 1 (and then unused)
+  bool bad;     // a NaN or an Inf in the block
+  bool tiny;
+};
+
+template <Fmt F>
+inline BlockScale block_scale(uint32_t amax_bits) {
+  constexpr float qmax = F == Fmt::kInt8 ? kInt8Max : kFp8Max;
+  if (amax_bits >= kInfBits) return {from_bits(kNaNBits), 0.f, 1.f, true, false};
+  const float amax = from_bits(amax_bits);
+  const bool tiny = amax > 0.f && amax < kTinyAbsmax;
+  const float pre = tiny ? kTinyPrescale : 1.f;
+  return {amax / qmax, amax > 0.f ? qmax / (amax * pre) : 0.f, pre, false, tiny};
+}
+
+// One element: the byte, and `d` the decoded value before * scale.
+template <Fmt F>
+inline uint8_t quant_elem(float y, const BlockScale& bs, float& d) {
+  constexpr float qmax = F == Fmt::kInt8 ? kInt8Max : kFp8Max;
+  const float yy = bs.tiny ? y * bs.pre : y;
+  const float v = std::min(std::max(yy * bs.inv, -qmax), qmax);
+  if constexpr (F == Fmt::kInt8) {
+    d = std::nearbyint(v);
+    return static_cast<uint8_t>(static_cast<int8_t>(d));
+  } else {
+    const uint8_t b = fp8_bits(v);
+    d = fp8_table()[b];
+    return b;
+  }
+}
+
+// Elements [i0, i1) of a block: encode with the block's constants (rule 2: payload 0 when bad).
+template <Fmt F, bool kEF>
+inline void quant_tail(const float* x, float* r, uint8_t* q, const BlockScale& bs, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const float y = kEF ? x[i] + r[i] : x[i];
+    float d = 0.f;
+    q[i] = bs.bad ? 0 : quant_elem<F>(y, bs, d);
+    if constexpr (kEF) r[i] = y - d * bs.scale;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Scalar kernels. `r` (residual) is only touched when kEF: y = x + r; r = y - D(Q(y)).
 // ---------------------------------------------------------------------------------------------
 template <Fmt F, bool kEF>
 void quant_blocks_scalar(const float* x, float* r, uint8_t* q, float* s, int64_t n, int64_t B,
                          int64_t b0, int64_t b1) {
-  constexpr float qmax = F == Fmt::kInt8 ? kInt8Max : kFp8Max;
-  const auto& lut = fp8_table();
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t lo = b * B, hi = std::min(n, lo + B);
-    float amax = 0.f;
-    for (int64_t i = lo; i < hi; ++i) {
-      const float y = kEF ? x[i] + r[i] : x[i];
-      amax = std::max(amax, std::fabs(y));
-    }
-    const float scale = amax / qmax;
-    const float inv = amax > 0.f ? qmax / amax : 0.f;
-    for (int64_t i = lo; i < hi; ++i) {
-      const float y = kEF ? x[i] + r[i] : x[i];
-      const float v = std::min(std::max(y * inv, -qmax), qmax);
-      float d;
-      if constexpr (F == Fmt::kInt8) {
-        const float qi = std::nearbyint(v);
-        q[i] = static_cast<uint8_t>(static_cast<int8_t>(qi));
-        d = qi;
-      } else {
-        q[i] = fp8_bits(v);
-        d = lut[q[i]];
-      }
-      if constexpr (kEF) r[i] = y - d * scale;
-    }
-    s[b] = scale;
+    uint32_t amax_bits = 0;
+    for (int64_t i = lo; i < hi; ++i) amax_bits = std::max(amax_bits, abs_bits(kEF ? x[i] + r[i] : x[i]));
+    const BlockScale bs = block_scale<F>(amax_bits);
+    quant_tail<F, kEF>(x, r, q, bs, lo, hi);
+    s[b] = bs.scale;
   }
 }
 
@@ -144,13 +195,6 @@ void uncast_range_scalar(const uint16_t* p, float* out, int64_t i0, int64_t i1) 
 // ---------------------------------------------------------------------------------------------
 #define FLCOMM_AVX2 __attribute__((target("avx2,f16c")))
 
-FLCOMM_AVX2 inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-  return _mm_cvtss_f32(m);
-}
-
 // Four vectors of int32 in [0, 255] or [-127, 127] -> 32 bytes in element order.
 template <bool kSigned>
 FLCOMM_AVX2 inline void store_bytes(uint8_t* dst, __m256i a, __m256i b, __m256i c, __m256i d) {
@@ -178,42 +222,67 @@ FLCOMM_AVX2 inline __m256i fp8_encode(__m256 v) {
   return _mm256_and_si256(_mm256_or_si256(res, _mm256_srli_epi32(sign, 24)), _mm256_set1_epi32(0xFF));
 }
 
+// 32 elements at x + i (+ r + i): max of the bits of |y| into m.
+template <bool kEF>
+FLCOMM_AVX2 inline __m256i absmax32(const float* x, const float* r, int64_t i, __m256i m) {
+  const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
+  __m256i m0 = m;
+  __m256i m1 = _mm256_setzero_si256();
+  for (int k = 0; k < 4; k += 2) {
+    __m256 y0 = _mm256_loadu_ps(x + i + 8 * k), y1 = _mm256_loadu_ps(x + i + 8 * k + 8);
+    if (kEF) {
+      y0 = _mm256_add_ps(y0, _mm256_loadu_ps(r + i + 8 * k));
+      y1 = _mm256_add_ps(y1, _mm256_loadu_ps(r + i + 8 * k + 8));
+    }
+    // NOTE: |y| as int32 orders like the float for finite values, and Inf and NaN bits are
+    // larger than every finite one (NaN's the largest): rule 1 of quant.h in one max.
+    m0 = _mm256_max_epi32(m0, _mm256_and_si256(_mm256_castps_si256(y0), absmask));
+    m1 = _mm256_max_epi32(m1, _mm256_and_si256(_mm256_castps_si256(y1), absmask));
+  }
+  return _mm256_max_epi32(m0, m1);
+}
+
+FLCOMM_AVX2 inline uint32_t hmax_u32(__m256i v) {
+  __m128i m = _mm_max_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  m = _mm_max_epi32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
+  m = _mm_max_epi32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
+}
+
 template <Fmt F, bool kEF>
 FLCOMM_AVX2 void quant_blocks_avx2(const float* x, float* r, uint8_t* q, float* s, int64_t n, int64_t B,
                                    int64_t b0, int64_t b1) {
   constexpr float qmax = F == Fmt::kInt8 ? kInt8Max : kFp8Max;
   const float* lut = fp8_table().data();
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 vlo = _mm256_set1_ps(-qmax), vhi = _mm256_set1_ps(qmax);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t lo = b * B, hi = std::min(n, lo + B);
     const int64_t vend = lo + (hi - lo) / 32 * 32;
-    __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
-    int64_t i = lo;
-    for (; i + 16 <= hi; i += 16) {
-      __m256 y0 = _mm256_loadu_ps(x + i), y1 = _mm256_loadu_ps(x + i + 8);
-      if (kEF) {
-        y0 = _mm256_add_ps(y0, _mm256_loadu_ps(r + i));
-        y1 = _mm256_add_ps(y1, _mm256_loadu_ps(r + i + 8));
-      }
-      m0 = _mm256_max_ps(m0, _mm256_and_ps(y0, absmask));
-      m1 = _mm256_max_ps(m1, _mm256_and_ps(y1, absmask));
+    // pass 1: the absmax (rule 1), reading the block from memory
+    __m256i m = _mm256_setzero_si256();
+    for (int64_t i = lo; i < vend; i += 32) m = absmax32<kEF>(x, r, i, m);
+    uint32_t amax_bits = hmax_u32(m);
+    for (int64_t i = vend; i < hi; ++i) amax_bits = std::max(amax_bits, abs_bits(kEF ? x[i] + r[i] : x[i]));
+    const BlockScale bs = block_scale<F>(amax_bits);
+    s[b] = bs.scale;
+    if (bs.bad) {  // rule 2 (rare): the scalar code
+      quant_tail<F, kEF>(x, r, q, bs, lo, hi);
+      continue;
     }
-    float amax = hmax(_mm256_max_ps(m0, m1));
-    for (; i < hi; ++i) amax = std::max(amax, std::fabs(kEF ? x[i] + r[i] : x[i]));
-    const float scale = amax / qmax;
-    const float inv = amax > 0.f ? qmax / amax : 0.f;
-    const __m256 vinv = _mm256_set1_ps(inv), vscale = _mm256_set1_ps(scale);
-    for (i = lo; i < vend; i += 32) {
+    // pass 2: encode from L1
+    const __m256 vinv = _mm256_set1_ps(bs.inv), vscale = _mm256_set1_ps(bs.scale), vpre = _mm256_set1_ps(bs.pre);
+    int64_t i = lo;
+    for (; i < vend; i += 32) {
       __m256i qi[4];
       for (int k = 0; k < 4; ++k) {
         __m256 y = _mm256_loadu_ps(x + i + 8 * k);
         if (kEF) y = _mm256_add_ps(y, _mm256_loadu_ps(r + i + 8 * k));
-        __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(y, vinv), vlo), vhi);
+        const __m256 yy = bs.tiny ? _mm256_mul_ps(y, vpre) : y;
+        const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(yy, vinv), vlo), vhi);
         __m256 d;
         if constexpr (F == Fmt::kInt8) {
           d = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          qi[k] = _mm256_cvtps_epi32(d);
+          qi[k] = _mm256_cvtps_epi32(d);  // exact: d is integral
         } else {
           qi[k] = fp8_encode(v);
           if (kEF) d = _mm256_i32gather_ps(lut, qi[k], 4);
@@ -222,20 +291,7 @@ FLCOMM_AVX2 void quant_blocks_avx2(const float* x, float* r, uint8_t* q, float* 
       }
       store_bytes<F == Fmt::kInt8>(q + i, qi[0], qi[1], qi[2], qi[3]);
     }
-    for (; i < hi; ++i) {
-      const float y = kEF ? x[i] + r[i] : x[i];
-      const float v = std::min(std::max(y * inv, -qmax), qmax);
-      float d;
-      if constexpr (F == Fmt::kInt8) {
-        d = std::nearbyint(v);
-        q[i] = static_cast<uint8_t>(static_cast<int8_t>(d));
-      } else {
-        q[i] = fp8_bits(v);
-        d = lut[q[i]];
-      }
-      if (kEF) r[i] = y - d * scale;
-    }
-    s[b] = scale;
+    quant_tail<F, kEF>(x, r, q, bs, i, hi);
   }
 }
 

@@ -4,8 +4,14 @@
 // Each launch runs on the caller's current stream under a device guard. Loads and stores are
 // vectorized (float4 / 16-byte words) when the pointers are 16-byte aligned and the block size
 // allows it, with a scalar fallback. The arithmetic uses explicitly rounded intrinsics
-// (__fdiv_rn, __fmul_rn, __fadd_rn, rintf) so that --use_fast_math and FMA contraction cannot
-// change the result: the bits match the CPU kernels and the plain-torch reference.
+// (__fdiv_rn, __fmul_rn, __fadd_rn, rintf) so that FMA contraction cannot change the result, and
+// setup.py builds without flush-to-zero (-ftz=false; tests/test_kernels.py checks the PTX): the
+// bits match the CPU kernels and the plain-torch reference, subnormals and the non-finite /
+// tiny-block rule of quant.h included.
+//
+// Alignment: the host checks (check_args) that the encoded buffer is 4-byte (int8, fp8) or 2-byte
+// (casts) aligned, which the scalar fallbacks' float / uint16 accesses need; the vector paths
+// are only taken for 16-byte aligned pointers.
 #include "common.h"
 #include "quant.h"
 
@@ -38,11 +44,32 @@ __device__ __forceinline__ float qmax_of() {
   return F == Fmt::kInt8 ? kInt8Max : kFp8Max;
 }
 
+// The per-block constants of the rule in quant.h, from the bits of the absmax.
+struct BlockScale {
+  float scale, inv, pre;
+  bool bad, tiny;
+};
+
+template <Fmt F>
+__device__ __forceinline__ BlockScale block_scale(uint32_t amax_bits) {
+  const float qmax = qmax_of<F>();
+  if (amax_bits >= kInfBits) return {__uint_as_float(kNaNBits), 0.f, 1.f, true, false};
+  const float amax = __uint_as_float(amax_bits);
+  const bool tiny = amax > 0.f && amax < kTinyAbsmax;
+  const float pre = tiny ? kTinyPrescale : 1.f;
+  return {__fdiv_rn(amax, qmax), amax > 0.f ? __fdiv_rn(qmax, __fmul_rn(amax, pre)) : 0.f, pre, false, tiny};
+}
+
 // One element of a blocked format: returns the byte, `d` gets the decoded value (before * scale).
 template <Fmt F>
-__device__ __forceinline__ uint8_t quant_elem(float y, float inv, float& d) {
+__device__ __forceinline__ uint8_t quant_elem(float y, const BlockScale& bs, float& d) {
+  if (bs.bad) {  // rule 2: payload 0 (y * 0 would be NaN for NaN / Inf elements)
+    d = 0.f;
+    return 0;
+  }
   const float qmax = qmax_of<F>();
-  const float v = fminf(fmaxf(__fmul_rn(y, inv), -qmax), qmax);
+  const float yy = bs.tiny ? __fmul_rn(y, bs.pre) : y;
+  const float v = fminf(fmaxf(__fmul_rn(yy, bs.inv), -qmax), qmax);
   if constexpr (F == Fmt::kInt8) {
     d = rintf(v);
     return static_cast<uint8_t>(static_cast<int8_t>(d));
@@ -53,6 +80,8 @@ __device__ __forceinline__ uint8_t quant_elem(float y, float inv, float& d) {
   }
 }
 
+__device__ __forceinline__ uint32_t abs_bits(float y) { return __float_as_uint(y) & 0x7fffffffu; }
+
 template <Fmt F>
 __device__ __forceinline__ float dequant_elem(uint8_t b) {
   if constexpr (F == Fmt::kInt8) {
@@ -62,9 +91,11 @@ __device__ __forceinline__ float dequant_elem(uint8_t b) {
   }
 }
 
-__device__ __forceinline__ float warp_max(float v) {
+// NOTE: an unsigned max over the bits of |y|: NaN > Inf > every finite value (rule 1), where
+// fmaxf would drop a NaN.
+__device__ __forceinline__ uint32_t warp_max(uint32_t v) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 
@@ -78,7 +109,7 @@ __global__ void quant_blocks_kernel(const float* __restrict__ x, float* __restri
   constexpr int V = kVec ? 4 : 1;
   for (int64_t b = warp; b < nb; b += nwarps) {
     const int64_t lo = b * B, hi = min(n, lo + B);
-    float amax = 0.f;
+    uint32_t amax_bits = 0;
     for (int64_t i = lo + lane * V; i < hi; i += 32 * V) {
       if (kVec && i + 4 <= hi) {
         float4 v = *reinterpret_cast<const float4*>(x + i);
@@ -87,15 +118,15 @@ __global__ void quant_blocks_kernel(const float* __restrict__ x, float* __restri
           v.x = __fadd_rn(v.x, rv.x); v.y = __fadd_rn(v.y, rv.y);
           v.z = __fadd_rn(v.z, rv.z); v.w = __fadd_rn(v.w, rv.w);
         }
-        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+        amax_bits = max(amax_bits, max(max(abs_bits(v.x), abs_bits(v.y)), max(abs_bits(v.z), abs_bits(v.w))));
       } else {
-        for (int64_t k = i; k < min(hi, i + V); ++k) amax = fmaxf(amax, fabsf(kEF ? __fadd_rn(x[k], r[k]) : x[k]));
+        for (int64_t k = i; k < min(hi, i + V); ++k) {
+          amax_bits = max(amax_bits, abs_bits(kEF ? __fadd_rn(x[k], r[k]) : x[k]));
+        }
       }
     }
-    amax = warp_max(amax);
-    const float qmax = qmax_of<F>();
-    const float scale = __fdiv_rn(amax, qmax);
-    const float inv = amax > 0.f ? __fdiv_rn(qmax, amax) : 0.f;
+    const BlockScale bs = block_scale<F>(warp_max(amax_bits));
+    const float scale = bs.scale;
     for (int64_t i = lo + lane * V; i < hi; i += 32 * V) {
       if (kVec && i + 4 <= hi) {
         float4 v = *reinterpret_cast<const float4*>(x + i);
@@ -106,10 +137,10 @@ __global__ void quant_blocks_kernel(const float* __restrict__ x, float* __restri
           v.z = __fadd_rn(v.z, rv.z); v.w = __fadd_rn(v.w, rv.w);
         }
         float d0, d1, d2, d3;
-        const uint32_t w = static_cast<uint32_t>(quant_elem<F>(v.x, inv, d0)) |
-                           (static_cast<uint32_t>(quant_elem<F>(v.y, inv, d1)) << 8) |
-                           (static_cast<uint32_t>(quant_elem<F>(v.z, inv, d2)) << 16) |
-                           (static_cast<uint32_t>(quant_elem<F>(v.w, inv, d3)) << 24);
+        const uint32_t w = static_cast<uint32_t>(quant_elem<F>(v.x, bs, d0)) |
+                           (static_cast<uint32_t>(quant_elem<F>(v.y, bs, d1)) << 8) |
+                           (static_cast<uint32_t>(quant_elem<F>(v.z, bs, d2)) << 16) |
+                           (static_cast<uint32_t>(quant_elem<F>(v.w, bs, d3)) << 24);
         *reinterpret_cast<uint32_t*>(q + i) = w;
         if (kEF) {
           rv.x = __fsub_rn(v.x, __fmul_rn(d0, scale)); rv.y = __fsub_rn(v.y, __fmul_rn(d1, scale));
@@ -120,7 +151,7 @@ __global__ void quant_blocks_kernel(const float* __restrict__ x, float* __restri
         for (int64_t k = i; k < min(hi, i + V); ++k) {
           const float y = kEF ? __fadd_rn(x[k], r[k]) : x[k];
           float d;
-          q[k] = quant_elem<F>(y, inv, d);
+          q[k] = quant_elem<F>(y, bs, d);
           if (kEF) r[k] = __fsub_rn(y, __fmul_rn(d, scale));
         }
       }

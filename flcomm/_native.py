@@ -53,3 +53,11 @@ def ops():
     import torch
 
     return torch.ops.flcomm
+
+
+def nccl_version_string(code: int) -> str | None:
+    """``NCCL_VERSION_CODE`` (major*10000 + minor*100 + patch, since NCCL 2.9) as "2.30.7"; None
+    for 0 (no NCCL)."""
+    if not code:
+        return None
+    return f"{code // 10000}.{(code // 100) % 100}.{code % 100}"

@@ -124,12 +124,12 @@ class NoneCodec(Codec):
         raw = x.reshape(-1).view(torch.uint8)
         if out is None:
             return raw.clone()
-        kernels._check_buf("out", out, raw.numel(), x.device)
+        kernels.check_buf("out", out, raw.numel(), x.device)
         out.copy_(raw)
         return out
 
     def decode(self, buf: Tensor, numel: int, out: Tensor | None = None) -> Tensor:
-        kernels._check_buf("buf", buf, 4 * numel, out.device if out is not None else buf.device)
+        kernels.check_buf("buf", buf, 4 * numel, out.device if out is not None else buf.device)
         vals = buf.view(torch.float32)
         if out is None:
             return vals.clone()
@@ -139,7 +139,7 @@ class NoneCodec(Codec):
 
     def decode_accumulate(self, buf: Tensor, numel: int, acc: Tensor) -> None:
         kernels.check_fp32("acc", acc)
-        kernels._check_buf("buf", buf, 4 * numel, acc.device)
+        kernels.check_buf("buf", buf, 4 * numel, acc.device)
         acc.view(-1).add_(buf.view(torch.float32))
 
     def encode_error_feedback(self, x: Tensor, residual: Tensor, out: Tensor | None = None) -> Tensor:
@@ -188,7 +188,7 @@ class KernelCodec(Codec):
 
     def _block_absmax(self, x: Tensor) -> Tensor:
         """Per-element absmax of the element's block."""
-        xb = kernels._blocked(x.reshape(-1).float(), self.block_size)
+        xb = kernels.blocked(x.reshape(-1).float(), self.block_size)
         amax = xb.abs().amax(dim=1, keepdim=True).expand_as(xb)
         return amax.reshape(-1)[: x.numel()].view_as(x)
 

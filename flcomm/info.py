@@ -7,13 +7,6 @@ from typing import Any
 from flcomm import _native
 
 
-def _fmt_nccl(code: int) -> str | None:
-    if not code:
-        return None
-    # NCCL_VERSION_CODE = major*10000 + minor*100 + patch (since 2.9)
-    return f"{code // 10000}.{(code // 100) % 100}.{code % 100}"
-
-
 def native_kernels() -> dict[str, list[str]]:
     """``{op name: [dispatch keys with an implementation]}`` for every ``flcomm::`` operator."""
     import torch
@@ -64,10 +57,10 @@ def build_info() -> dict[str, Any]:
     info["cuda_kernels"] = [n for n, devs in native_kernels().items() if "CUDA" in devs]
     info["cuda_compiled"] = bool(C.compiled_with_cuda())
     info["cuda_archs"] = [f"sm_{a}" for a in C.cuda_archs().split("_") if a]
-    info["nccl_compiled"] = _fmt_nccl(C.nccl_version_compiled())
+    info["nccl_compiled"] = _native.nccl_version_string(C.nccl_version_compiled())
     if C.compiled_with_nccl():
         try:
-            info["nccl_loaded"] = _fmt_nccl(C.nccl_version_loaded())
+            info["nccl_loaded"] = _native.nccl_version_string(C.nccl_version_loaded())
         except RuntimeError as e:
             info["nccl_loaded"] = f"error: {e}"
     if info["cuda_compiled"]:

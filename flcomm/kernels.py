@@ -25,6 +25,22 @@ the plain-torch reference here (``*_ref``), which the tests use as the independe
 which also runs wherever the native extension is not built. ``backend`` selects: ``"auto"``
 (native when it is loaded and has the kernel, else torch), ``"native"`` or ``"torch"``; the
 environment variable ``FLCOMM_KERNELS`` sets the default.
+
+Non-finite and tiny values (one rule, also in ``csrc/quant.h``; every implementation follows it):
+
+1. a block's absmax is taken over ``|x|`` with NaN winning over Inf winning over any finite value;
+2. a block holding a NaN or an Inf (int8, fp8) encodes as payload 0 with a NaN scale, so the whole
+   block decodes as NaN and stays visible to inf checks and ``GradScaler``; with error feedback its
+   residual becomes ``y - decoded = NaN`` too;
+3. a block whose absmax is below ``2**-64`` is scaled by ``2**64`` before the multiplication by
+   ``qmax / absmax`` (both exact powers of two), so ``qmax / absmax`` never overflows and every
+   element is encoded as if it were of normal size; the scale ``absmax / qmax`` keeps subnormals
+   (no flush to zero anywhere, including the CUDA build: see ``setup.py`` ``nvcc_flags``);
+4. an all-zero block has scale 0 and decodes as zeros (``-0.0`` encodes as fp8 ``0x80``);
+5. bf16 / fp16 casts keep NaN and +-Inf (fp16 overflows to +-Inf above 65504).
+
+Encoded buffers must start at a 4-byte (int8, fp8: the scales are float32) or 2-byte (bf16, fp16)
+aligned address: a uint8 view at an odd offset is rejected before launch.
 """
 
 from __future__ import annotations
@@ -47,6 +63,9 @@ BLOCKED_FORMATS: tuple[str, ...] = ("int8", "fp8")
 QMAX: dict[str, float] = {"int8": 127.0, "fp8": 448.0}
 ITEMSIZE: dict[str, int] = {"int8": 1, "fp8": 1, "bf16": 2, "fp16": 2}
 ALIGN = 16
+#: below this absmax a block is scaled by TINY_PRESCALE first (rule 3 of the module docstring)
+TINY_ABSMAX = 2.0 ** -64
+TINY_PRESCALE = 2.0 ** 64
 #: default elements per scale for int8/fp8. NOTE: 256 keeps the scales at 1/64 of the int8
 #: payload (0.254x of fp32 on the wire, under the 0.27x target with room for padding), is eight
 #: 32-wide AVX2 steps on CPU and two float4 steps per lane of one warp on CUDA. Measured on a
@@ -114,7 +133,10 @@ def check_fp32(name: str, t: Tensor, hint: str = "") -> None:
         raise ValueError(f"{name} must be contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
 
 
-def _check_buf(name: str, buf: Tensor, nbytes: int, device: torch.device) -> None:
+def check_buf(name: str, buf: Tensor, nbytes: int, device: torch.device, fmt: str | None = None) -> None:
+    """An encoded buffer: a contiguous uint8 tensor of exactly ``nbytes`` on ``device``, and (given
+    ``fmt``) starting at the address alignment its scalars need; else TypeError/ValueError naming
+    ``name``, what was expected and what came."""
     if not isinstance(buf, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
     if buf.dtype != torch.uint8:
@@ -125,6 +147,12 @@ def _check_buf(name: str, buf: Tensor, nbytes: int, device: torch.device) -> Non
         raise ValueError(f"{name} must hold exactly {nbytes} bytes for this numel/format, got {buf.numel()}")
     if buf.device != device:
         raise ValueError(f"{name} must be on {device} like the fp32 tensor, got {buf.device}")
+    if fmt is not None and nbytes > 0:
+        need = 4 if fmt in BLOCKED_FORMATS else ITEMSIZE[fmt]
+        if buf.data_ptr() % need:
+            raise ValueError(f"{name} must start at a {need}-byte aligned address for {fmt} (its "
+                             f"{'float32 scales' if need == 4 else 'payload'}), got address "
+                             f"{buf.data_ptr():#x} (a uint8 view at an odd offset?)")
 
 
 def _check_same(name: str, t: Tensor, ref: Tensor) -> None:
@@ -178,7 +206,7 @@ def quantize(x: Tensor, out: Tensor | None = None, *, fmt: str, block_size: int 
     nbytes = encoded_nbytes(x.numel(), fmt, block_size)
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
-    _check_buf("out", out, nbytes, x.device)
+    check_buf("out", out, nbytes, x.device, fmt)
     if _use_native(backend, x.device):
         _native.ops().quantize(x.view(-1), out, fmt, block_size)
     else:
@@ -199,7 +227,7 @@ def dequantize(buf: Tensor, numel: int, out: Tensor | None = None, *, fmt: str,
     check_fp32("out", out)
     if out.numel() != numel:
         raise ValueError(f"out must have numel={numel} elements, got {out.numel()}")
-    _check_buf("buf", buf, encoded_nbytes(numel, fmt, block_size), out.device)
+    check_buf("buf", buf, encoded_nbytes(numel, fmt, block_size), out.device, fmt)
     if _use_native(backend, out.device):
         _native.ops().dequantize(buf, out.view(-1), fmt, block_size, accumulate)
     else:
@@ -222,7 +250,7 @@ def quantize_error_feedback(x: Tensor, residual: Tensor, out: Tensor | None = No
     nbytes = encoded_nbytes(x.numel(), fmt, block_size)
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
-    _check_buf("out", out, nbytes, x.device)
+    check_buf("out", out, nbytes, x.device, fmt)
     if _use_native(backend, x.device):
         _native.ops().quantize_error_feedback(x.view(-1), residual.view(-1), out, fmt, block_size)
     else:
@@ -231,13 +259,13 @@ def quantize_error_feedback(x: Tensor, residual: Tensor, out: Tensor | None = No
 
 
 # ---- plain-torch references ----
-def _blocked(x: Tensor, block_size: int) -> Tensor:
+def blocked(x: Tensor, block_size: int) -> Tensor:
     """``x`` flat, zero-padded to whole blocks, as [blocks, block_size]."""
     n = x.numel()
     nb = num_blocks(n, block_size)
     if n == nb * block_size:
         return x.reshape(nb, block_size)
-    xb = torch.zeros(nb * block_size, dtype=torch.float32, device=x.device)
+    xb = torch.zeros(nb * block_size, dtype=x.dtype, device=x.device)
     xb[:n] = x.reshape(-1)
     return xb.view(nb, block_size)
 
@@ -254,22 +282,27 @@ def quantize_ref(x: Tensor, out: Tensor, *, fmt: str, block_size: int = DEFAULT_
         payload.copy_(x.reshape(-1).to(torch.float16))
         return out
     qmax = QMAX[fmt]
-    xb = _blocked(x, block_size)
+    xb = blocked(x, block_size)
+    # rule 1: amax propagates NaN (torch max reductions do); Inf stays Inf
     amax = xb.abs().amax(dim=1)
-    # NOTE: multiply by the reciprocal (one division per block, as the kernels do); a zero block
-    # gets scale 0 and inverse 0, so it encodes to zeros without a division by zero.
+    bad = ~torch.isfinite(amax)
+    # NOTE: multiply by the reciprocal (one division per block, as the kernels do); a zero or a
+    # non-finite block gets inverse 0. Rule 3: tiny blocks are scaled up by an exact power of two
+    # first; for the others `xb * 1` is exact, so this is the kernels' `y * inv`.
     # NOTE: tensor / tensor divisions: `qmax / amax` on a tensor is reciprocal-then-multiply in
     # torch, which can differ from the kernels' division in the last bit.
     q_t = torch.full_like(amax, qmax)
-    inv = torch.where(amax > 0, q_t / amax, torch.zeros_like(amax))
-    y = xb * inv[:, None]
+    pre = torch.where(amax < TINY_ABSMAX, torch.full_like(amax, TINY_PRESCALE), torch.ones_like(amax))
+    inv = torch.where((amax > 0) & ~bad, q_t / (amax * pre), torch.zeros_like(amax))
+    y = (xb * pre[:, None]) * inv[:, None]
+    y = torch.where(bad[:, None], torch.zeros_like(y), y)  # rule 2: payload 0
     if fmt == "int8":
         q = y.round().clamp_(-qmax, qmax).to(torch.int8)
     else:
         q = y.clamp_(-qmax, qmax).to(torch.float8_e4m3fn)
     payload.copy_(q.reshape(-1)[:n])
     assert scales is not None
-    scales.copy_(amax / q_t)
+    scales.copy_(torch.where(bad, torch.full_like(amax, float("nan")), amax / q_t))
     return out
 
 
@@ -281,7 +314,7 @@ def dequantize_ref(buf: Tensor, out: Tensor, *, fmt: str, block_size: int = DEFA
     if scales is None:
         vals = payload.to(torch.float32)
     else:
-        vals = (_blocked(payload.to(torch.float32), block_size) * scales[:, None]).reshape(-1)[:n]
+        vals = (blocked(payload.to(torch.float32), block_size) * scales[:, None]).reshape(-1)[:n]
     flat = out.view(-1)
     if accumulate:
         flat.add_(vals)

@@ -14,6 +14,14 @@ from torch import nn
 
 from tests.dist import run_distributed
 
+NO_PARAM_GROUPS = "torch < 2.14: one parameter group per module"
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
 STEPS = 20
 LOSS_TOL = 1e-5   # fp32 loss curves
 PARAM_TOL = 1e-5  # fp32 parameters after STEPS steps
@@ -267,7 +275,6 @@ def _registration(rank: int, world: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
     from torch.distributed.tensor import Shard
 
     from flcomm.collectives.hierarchical import Hierarchy
@@ -304,14 +311,19 @@ def _registration(rank: int, world: int) -> dict:
     alloc = rs.allocate((5,), dtype=torch.bfloat16, device=torch.device("cpu"))
     ok_alloc = alloc.shape == (5,) and alloc.dtype == torch.bfloat16
 
-    # several parameter groups per module (per-parameter mesh): FSDP's own reason
-    other = DeviceMesh("cpu", list(range(world)))
-    lin = nn.Linear(4, 4)
-    fully_shard(lin, mesh=fm.device_mesh["shard"],
-                shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), FSDPMeshInfo(other, shard_mesh_dim=0))
-                if p.dim() == 2 else None)
-    expect("param_groups", lambda: apply_hierarchical_collectives(lin, hier))
-    expect("param_groups_hook", lambda: apply_all_reduce_hook(lin, fm.transport("replicate")))
+    # several parameter groups per module (per-parameter mesh, torch >= 2.14): FSDP's own reason
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    except ImportError:  # NOTE: torch < 2.14 has one parameter group per module: nothing to refuse
+        errors["param_groups"] = errors["param_groups_hook"] = NO_PARAM_GROUPS
+    else:
+        other = DeviceMesh("cpu", list(range(world)))
+        lin = nn.Linear(4, 4)
+        fully_shard(lin, mesh=fm.device_mesh["shard"],
+                    shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), FSDPMeshInfo(other, shard_mesh_dim=0))
+                    if p.dim() == 2 else None)
+        expect("param_groups", lambda: apply_hierarchical_collectives(lin, hier))
+        expect("param_groups_hook", lambda: apply_all_reduce_hook(lin, fm.transport("replicate")))
     # native HSDP already all-reduces: the replicate hook is refused
     hsdp = nn.Linear(4, 4)
     fully_shard(hsdp, mesh=fm.device_mesh["replicate", "shard"])
@@ -327,8 +339,11 @@ def test_registration_refusals(fsdp2_2x2):
     e = r["errors"]
     assert "set_force_sum_reduction_for_comms" in e["premul"], e
     assert "FSDP's group has 2 ranks" in e["group"] and "2 nodes x 2 ranks = 4" in e["group"], e
-    assert "multiple param groups" in e["param_groups"], e
-    assert "multiple param groups" in e["param_groups_hook"], e
+    if torch_version() >= (2, 14):
+        assert "multiple param groups" in e["param_groups"], e
+        assert "multiple param groups" in e["param_groups_hook"], e
+    else:
+        assert e["param_groups"] == e["param_groups_hook"] == NO_PARAM_GROUPS, e
     assert "native HSDP" in e["native_hsdp"], e
     assert "no FSDP modules" in e["no_fsdp"], e
 
@@ -352,3 +367,58 @@ def test_hook_refuses_error_feedback_without_codec(codec):
         ReplicateAllReduceHook(_Local(), codec=None, error_feedback=True)
     with pytest.raises(TypeError, match="must be a flcomm Transport"):
         ReplicateAllReduceHook(object())
+
+
+# ---------------------------------------------------------------- FSDP internals flcomm relies on
+# NOTE: flcomm.fsdp.fsdp2 reaches into these private FSDP2 names. Checked on torch 2.11.0 and
+# 2.14.1 (the ends of the supported range; CI runs both). A failure here on a new torch names
+# what moved, instead of a confusing error deep in a training run.
+
+def test_fsdp2_internals_flcomm_relies_on():
+    import torch.distributed.fsdp as fsdp
+    from torch.distributed.fsdp._fully_shard import _fsdp_api
+
+    # the custom-collective contracts subclassed by HierarchicalReduceScatter / AllGather
+    assert isinstance(_fsdp_api.ReduceScatter, type) and isinstance(_fsdp_api.AllGather, type)
+    for cls, methods in ((_fsdp_api.ReduceScatter, ("__call__", "allocate")),
+                         (_fsdp_api.AllGather, ("__call__", "allocate"))):
+        for m in methods:
+            assert hasattr(cls, m), f"{cls.__name__}.{m} is gone in torch {torch.__version__}"
+    # FSDPModule's public setters and its state accessor
+    for m in ("set_custom_reduce_scatter", "set_custom_all_gather", "set_all_reduce_hook", "_get_fsdp_state"):
+        assert hasattr(fsdp.FSDPModule, m), f"FSDPModule.{m} is gone in torch {torch.__version__}"
+
+
+def _param_group_attrs(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from flcomm.fsdp.fsdp2 import _param_groups
+
+    m = fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,)))
+    state = m._get_fsdp_state()
+    groups = _param_groups(m)
+    return {"plural": hasattr(state, "_fsdp_param_groups"), "singular": hasattr(state, "_fsdp_param_group"),
+            "n": len(groups), "is_hsdp": [getattr(g, "_is_hsdp", "missing") for g in groups]}
+
+
+def test_fsdp2_param_group_attributes():
+    """_param_groups() reads state._fsdp_param_groups (2.14) or state._fsdp_param_group (2.11);
+    the HSDP refusal reads group._is_hsdp. Checked on a one-rank gloo FSDP2 model."""
+    (r,) = run_distributed(_param_group_attrs, 1, timeout=60)
+    assert r["plural"] or r["singular"], r
+    if torch_version() >= (2, 14):
+        assert r["plural"], r
+    assert r["n"] == 1 and r["is_hsdp"] == [False], r
+
+
+def test_c10d_internals_flcomm_relies_on():
+    """flcomm.comm.nccl shares the NCCL unique id through c10d's default store and names the
+    group by ProcessGroup.group_name; it reads ProcessGroup.bound_device_id for the device."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    assert callable(distributed_c10d._get_default_store)
+    for attr in ("group_name", "bound_device_id"):
+        assert hasattr(dist.ProcessGroup, attr), f"ProcessGroup.{attr} is gone in torch {torch.__version__}"
+

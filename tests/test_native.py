@@ -131,11 +131,18 @@ class RecordingComm:
 
     def _record(self, *call: object) -> "RecordingComm.Done":
         self.calls.append(call)
-        return RecordingComm.Done()
+        return RecordingComm.Done(self.calls)
 
     class Done:
+        def __init__(self, calls: list[tuple]) -> None:
+            self.calls = calls
+
         def wait(self, timeout_s: float = -1.0) -> bool:
+            self.calls.append(("wait",))
             return True
+
+        def stream_wait(self) -> None:
+            self.calls.append(("stream_wait",))
 
         def is_completed(self) -> bool:
             return True
@@ -196,6 +203,35 @@ def test_transport_rejects_wrong_device_before_native_calls():
     assert comm.calls == []
 
 
+def test_non_blocking_wait_orders_the_stream_instead_of_the_host():
+    """Issue 9 item 8: wait() of a blocking transport blocks the host (NcclWork.wait); of a
+    non-blocking one it makes the current stream wait (NcclWork.stream_wait), and nothing else."""
+    for blocking, expect in ((True, "wait"), (False, "stream_wait")):
+        comm = RecordingComm(2)
+        t = NcclTransport(comm, LinkTier.INTER_NODE, device=torch.device("cpu"), blocking_wait=blocking)
+        t.all_reduce(torch.zeros(4))
+        t.all_gather(torch.zeros(8), torch.zeros(4), async_op=True).wait()
+        waits = [c[0] for c in comm.calls if c[0] in ("wait", "stream_wait")]
+        assert waits == [expect, expect], (blocking, comm.calls)
+
+
+def test_default_device_is_local_rank_and_checked(monkeypatch):
+    """Issue 9 item 11: without a device, LOCAL_RANK picks it (not the current device, which is
+    cuda:0 on every rank without set_device), checked against the visible devices."""
+    from flcomm.comm.nccl import default_device
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    monkeypatch.setenv("LOCAL_RANK", "x1")
+    with pytest.raises(ValueError, match="LOCAL_RANK must be a non-negative integer, got 'x1'"):
+        default_device(None)
+    monkeypatch.setenv("LOCAL_RANK", str(count))
+    with pytest.raises(ValueError, match=f"from LOCAL_RANK is cuda:{count}, but {count} CUDA device"):
+        default_device(None)
+    if count:
+        monkeypatch.setenv("LOCAL_RANK", str(count - 1))
+        assert default_device(None) == count - 1
+
+
 def test_transport_maps_calls_and_counts_bytes():
     """Each protocol call becomes one native call with the arguments in C order and the op's
     name; the wire bytes follow the ring convention of flcomm.comm.base."""
@@ -209,7 +245,8 @@ def test_transport_maps_calls_and_counts_bytes():
     w = t.all_to_all(torch.zeros(8), x, async_op=True)
     assert w.is_completed() and w.wait() is not None
     t.broadcast(x, src=3)
-    assert comm.calls == [("all_reduce", (8,), "avg"), ("reduce_scatter", 2, 8, "max"), ("all_gather", 32, 8),
+    launches = [c for c in comm.calls if c[0] not in ("wait", "stream_wait")]
+    assert launches == [("all_reduce", (8,), "avg"), ("reduce_scatter", 2, 8, "max"), ("all_gather", 32, 8),
                           ("all_to_all", 8, 8), ("broadcast", 8, 3)]
     expected = (wire_bytes("all_reduce", 32, 4) + wire_bytes("reduce_scatter", 32, 4)
                 + wire_bytes("all_gather", 128, 4) + wire_bytes("all_to_all", 32, 4) + wire_bytes("broadcast", 32, 4))
@@ -222,6 +259,10 @@ def test_transport_maps_calls_and_counts_bytes():
 def _exchange(rank: int, world: int) -> tuple[bytes, bytes, str]:
     import torch.distributed as dist
 
+    def no_collective(*args, **kwargs):
+        raise AssertionError("the unique id must travel through the c10d store, not a collective")
+
+    dist.broadcast_object_list = dist.broadcast = no_collective  # NOTE: issue 9 item 11
     uid = exchange_unique_id()
     uid_sub = exchange_unique_id(dist.new_group([0, 1]))
     try:

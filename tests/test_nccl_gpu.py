@@ -9,6 +9,9 @@ exact float64 reference.
 
 from __future__ import annotations
 
+import json
+import os
+import threading
 import time
 from datetime import timedelta
 
@@ -25,6 +28,20 @@ pytestmark = pytest.mark.skipif(
 
 def C():
     return _native.native()
+
+
+def figure(test: str, **values) -> None:
+    """Record a probe's figures for tools/gpu_check.sh (one JSON line per call to the file named
+    by FLCOMM_GPU_FIGURES; nothing without it)."""
+    path = os.environ.get("FLCOMM_GPU_FIGURES")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": test, **values}) + "\n")
+
+
+# NOTE: torch.cuda._sleep spins for a number of GPU clock cycles; ~2e9 per second on an H200
+# (1.98 GHz boost). The probes size their sleeps from this and measure what they rely on.
+CYCLES_PER_S = 2_000_000_000
 
 
 INT_DTYPES = [torch.int8, torch.uint8, torch.int32, torch.int64]
@@ -261,6 +278,278 @@ def _size1_transport(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_transport_from_group_one_rank():
     assert run_distributed(_size1_transport, 1, timeout=90, backend="nccl") == [["ok"]]
+
+
+# ---- probes for the stream / group / teardown contracts (issue 9, items 5-10) ----
+
+@pytest.mark.gpu
+def test_group_end_records_on_the_ops_stream(comm):
+    """Item 6. Pass rule: the group's ops go on a side stream that first sleeps ~100 ms, and
+    group_end() is called with the idle default stream current: the work must NOT be complete at
+    once (an event on the default stream would be), and must be after the side stream."""
+    a = torch.ones(1 << 10, device="cuda")
+    out = torch.zeros(1 << 10, device="cuda")
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    comm.group_start()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(CYCLES_PER_S // 10)
+        comm.all_gather(out, a)
+    w = comm.group_end()
+    early = w.is_completed()
+    t0 = time.monotonic()
+    assert w.wait(30.0)
+    waited = time.monotonic() - t0
+    figure("test_group_end_records_on_the_ops_stream", completed_at_once=early, wait_s=waited)
+    assert not early, "group_end recorded its event on the current (idle) stream, not the ops' stream"
+    assert torch.all(out == 1).item()
+    # mixed streams inside one group are refused before anything is issued
+    x, y = torch.ones(8, device="cuda"), torch.ones(8, device="cuda")
+    comm.group_start()
+    comm.all_reduce(x, "sum")
+    with torch.cuda.stream(side):
+        with pytest.raises(RuntimeError, match="one CUDA stream"):
+            comm.all_reduce(y, "sum")
+    assert comm.group_end().wait(30.0)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_groups_are_per_thread(comm):
+    """Item 7. Pass rule: a group open on the main thread does not capture another thread's
+    launch (it completes on its own), and another communicator cannot join the open group."""
+    # NOTE: made before the group opens: an NCCL init inside a group would join the group
+    other = C().NcclComm(C().nccl_unique_id(), 1, 0, 0, 60.0)
+    comm.group_start()
+    result: dict = {}
+
+    def other_thread():
+        try:
+            y = torch.full((64,), 2.0, device="cuda")
+            result["done"] = comm.all_reduce(y, "sum").wait(30.0)
+            result["value"] = y[0].item()
+        except Exception as e:  # noqa: BLE001 - reported below
+            result["error"] = repr(e)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join(60)
+    try:
+        with pytest.raises(RuntimeError, match="another communicator"):
+            other.all_reduce(torch.ones(4, device="cuda"), "sum")
+        with pytest.raises(RuntimeError, match="another communicator"):
+            other.group_start()
+    finally:
+        assert comm.group_end().wait(30.0)
+        other.destroy()
+    figure("test_groups_are_per_thread", **result)
+    assert result.get("done") is True and result.get("value") == 2.0, result
+
+
+@pytest.mark.gpu
+def test_launch_records_the_stream_with_the_allocator(comm):
+    """Item 8 (recordStream). Pass rule: a tensor allocated on the default stream, reduced on a
+    side stream that is still sleeping, then dropped with its work handle: the caching allocator
+    must not hand its block to the next allocation of the same size on the default stream."""
+    n = 1 << 20
+    # control: on one stream, a freed block is handed to the next allocation of its size
+    c = torch.ones(n, device="cuda")
+    cptr = c.data_ptr()
+    del c
+    assert torch.empty(n, device="cuda").data_ptr() == cptr, "the allocator does not reuse blocks here"
+    x = torch.ones(n, device="cuda")
+    ptr = x.data_ptr()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(CYCLES_PER_S // 5)
+        w = comm.all_reduce(x, "sum")
+    del x, w
+    y = torch.empty(n, device="cuda")
+    reused = y.data_ptr() == ptr
+    torch.cuda.synchronize()
+    figure("test_launch_records_the_stream_with_the_allocator", block_reused_while_in_use=reused)
+    assert not reused, "the block of a tensor still in use by NCCL on another stream was reused"
+
+
+@pytest.mark.gpu
+def test_non_blocking_wait_orders_the_current_stream():
+    """Item 8 (non-blocking wait). Pass rule: with blocking_wait=False, wait() returns in well
+    under the ~200 ms the side stream sleeps ahead of the all_gather, and a read on the current
+    stream after wait() sees the gathered values (the current stream waited on the event)."""
+    from flcomm.comm.nccl import NcclTransport
+
+    t = NcclTransport(C().NcclComm(C().nccl_unique_id(), 1, 0, 0, 60.0), blocking_wait=False)
+    n = 1 << 20
+    x, out = torch.ones(n, device="cuda"), torch.zeros(n, device="cuda")
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(CYCLES_PER_S // 5)
+        h = t.all_gather(out, x, async_op=True)
+    t0 = time.monotonic()
+    h.wait()
+    host_s = time.monotonic() - t0
+    total = out.sum().item()  # on the current stream
+    figure("test_non_blocking_wait_orders_the_current_stream", wait_host_s=host_s, sum=total, expected=n)
+    t.close()
+    assert total == n, "the current stream read the output before the collective wrote it"
+    assert host_s < 0.1, f"wait() blocked the host for {host_s:.3f} s"
+
+
+@pytest.mark.gpu
+def test_exchange_in_flight_does_not_block_compute():
+    """Items 8/9 (transport side). Pass rule: while an all_reduce is queued on a communication
+    stream behind ~300 ms of GPU sleep, issuing it returns in < 50 ms, and a marker matmul timed
+    on the main stream finishes before the exchange and within 3x its time on an idle GPU."""
+    from flcomm.comm.nccl import NcclTransport
+
+    t = NcclTransport(C().NcclComm(C().nccl_unique_id(), 1, 0, 0, 60.0), blocking_wait=False)
+    a = torch.randn(4096, 4096, device="cuda")
+    big = torch.ones(64 << 20, device="cuda")
+
+    def marker() -> float:
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(5):
+            a @ a
+        e1.record()
+        e1.synchronize()
+        return e0.elapsed_time(e1)
+
+    marker()  # warm up cuBLAS
+    solo_ms = marker()
+    comm_stream = torch.cuda.Stream()
+    comm_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(comm_stream):
+        torch.cuda._sleep(CYCLES_PER_S * 3 // 10)
+        t0 = time.monotonic()
+        h = t.all_reduce(big, async_op=True)
+        issue_s = time.monotonic() - t0
+    during_ms = marker()
+    exchange_done_first = h.is_completed()
+    h.wait()
+    torch.cuda.synchronize()
+    t.close()
+    figure("test_exchange_in_flight_does_not_block_compute", issue_s=issue_s, marker_solo_ms=solo_ms,
+           marker_during_ms=during_ms, exchange_done_before_marker=exchange_done_first)
+    assert issue_s < 0.05, f"issuing the all_reduce blocked the host {issue_s:.3f} s"
+    assert not exchange_done_first, "the marker waited for the exchange"
+    assert during_ms < 3 * solo_ms, (solo_ms, during_ms)
+
+
+def _drop_with_queued_work(rank: int, world: int) -> dict:
+    """Child process: a communicator with a collective queued behind ~5 s of GPU sleep is dropped
+    without destroy(); its destructor must abort, not finalize (which waits for the work)."""
+    import gc
+
+    c = _native.native()
+    comm = c.NcclComm(c.nccl_unique_id(), 1, 0, 0, 300.0)
+    x = torch.ones(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(CYCLES_PER_S * 5)
+    work = comm.all_reduce(x, "sum")
+    t0 = time.monotonic()
+    del work, comm
+    gc.collect()
+    drop_s = time.monotonic() - t0
+    t1 = time.monotonic()
+    res = {"drop_s": drop_s}
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as e:  # reported, not the pass rule: what the queued kernel did after abort
+        res["sync_error"] = str(e)[:500]
+    res["sync_after_s"] = time.monotonic() - t1
+    return res
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_dropping_a_communicator_with_queued_work_does_not_wait():
+    """Item 10. Pass rule: dropping the last reference takes < 1 s although the queued work needs
+    ~5 s more (the old destructor finalized and polled for up to the 300 s timeout)."""
+    (res,) = run_distributed(_drop_with_queued_work, 1, timeout=90)
+    figure("test_dropping_a_communicator_with_queued_work_does_not_wait", **res)
+    assert res["drop_s"] < 1.0, res
+
+
+def _fsdp_hook_race(rank: int, world: int) -> dict:
+    """Child process (1-rank NCCL group): FSDP2 with param_dtype=bf16, reduce_dtype=fp32 and a
+    ReplicateAllReduceHook per module that also halves the buffer, with and without a ~20 ms GPU
+    sleep inside each hook call (on the hook's stream): the gradients must be identical."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    from flcomm.comm.torch_pg import TorchTransport
+    from flcomm.fsdp.fsdp2 import ReplicateAllReduceHook
+
+    torch.cuda.set_device(0)
+    mesh = init_device_mesh("cuda", (1,))
+    transport = TorchTransport(tier="inter_node")
+
+    # NOTE: on one rank the all-reduce changes nothing, so each hook then scales the buffer in
+    # place: a buffer reused by the next reduce-scatter while the (slow) hook still runs would
+    # show in the gradients.
+    class ScaleHook(ReplicateAllReduceHook):
+        sleep_cycles = 0
+
+        def __call__(self, reduce_output):
+            super().__call__(reduce_output)
+            if self.sleep_cycles:
+                torch.cuda._sleep(self.sleep_cycles)
+            reduce_output.mul_(0.5)
+
+    class SleepyHook(ScaleHook):
+        sleep_cycles = CYCLES_PER_S // 50
+
+    def grads(hook_cls) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)]).cuda()
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_all_reduce_hook(hook_cls(transport))
+        x = torch.randn(64, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        for _ in range(3):
+            model.zero_grad()
+            model(x).float().pow(2).mean().backward()
+        torch.cuda.synchronize()
+        return [p.grad.full_tensor().cpu() for p in model.parameters()]
+
+    ref, got = grads(ScaleHook), grads(SleepyHook)
+    diff = [i for i, (a, b) in enumerate(zip(ref, got)) if not torch.equal(a, b)]
+    return {"params": len(ref), "differ": diff}
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+def test_fsdp2_hook_with_mixed_precision_and_a_slow_hook():
+    """Item 5. Pass rule: every gradient equals the reference run (same hook, no sleep)."""
+    (res,) = run_distributed(_fsdp_hook_race, 1, timeout=150, backend="nccl")
+    figure("test_fsdp2_hook_with_mixed_precision_and_a_slow_hook", **res)
+    assert res["params"] == 16 and res["differ"] == [], res
+
+
+@pytest.mark.gpu
+def test_default_device_and_store_exchange():
+    """Item 11: the device comes from LOCAL_RANK (not the current device), and is checked."""
+    from flcomm.comm.nccl import default_device
+
+    old = os.environ.get("LOCAL_RANK")
+    try:
+        os.environ["LOCAL_RANK"] = str(torch.cuda.device_count() - 1)
+        assert default_device(None) == torch.cuda.device_count() - 1
+        os.environ["LOCAL_RANK"] = str(torch.cuda.device_count())
+        with pytest.raises(ValueError, match="CUDA device"):
+            default_device(None)
+    finally:
+        if old is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = old
 
 
 # ---- two GPUs ----

@@ -1,21 +1,50 @@
 #!/usr/bin/env bash
-# Set up flcomm in a virtual environment at .venv in this checkout (idempotent).
+# Set up flcomm in a virtual environment in this checkout (idempotent).
 #
 #   FLCOMM_TORCH=2.14.1   torch to install: 2.14.1 (CUDA 13 build; CUDA/NCCL sources compiled
-#                         when nvcc is found) or 2.13.0 (CPU build; CPU kernels only)
+#                         when nvcc is found), 2.13.0 (CPU build; CPU kernels only) or 2.11.0
+#                         (the low end of the supported range; see FLCOMM_TORCH_LEAN)
+#   FLCOMM_VENV=.venv     where the virtual environment goes (e.g. .venv-211 for a second torch)
+#   FLCOMM_TORCH_LEAN=0|1 1: install torch without its CUDA wheels (--no-deps, then its pure-Python
+#                         requirements) and borrow the CUDA runtime libraries of FLCOMM_CUDA_LIBS_FROM
+#                         (default .venv) by a symlink. For a CPU-kernels-only test venv of a torch
+#                         whose only wheel in the registry is a CUDA build: 0.5 GB instead of ~3.5 GB.
 #   FLCOMM_CUDA=auto|0|1  build the CUDA sources (1: fail if they cannot be built)
 #   FLCOMM_CUDA_ARCHS     GPU arches, e.g. "90" (default 8.0;9.0)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION=${FLCOMM_TORCH:-2.14.1}
+VENV=${FLCOMM_VENV:-.venv}
+LEAN=${FLCOMM_TORCH_LEAN:-0}
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
-  echo "[setup] installing torch==$TORCH_VERSION into .venv"
-  .venv/bin/pip install -q "torch==$TORCH_VERSION"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  echo "[setup] installing torch==$TORCH_VERSION into $VENV$([ "$LEAN" = 1 ] && echo ' (lean: no CUDA wheels)')"
+  if [ "$LEAN" = 1 ]; then
+    # NOTE: a CUDA build of torch loads libcudart, cuBLAS, cuDNN, NCCL, ... at import even on a
+    # CPU; they come from the nvidia/ namespace package of another venv with the same CUDA major
+    # (torch finds them through its rpath $ORIGIN/../../nvidia/*/lib). torch 2.11 needs CUDA 13.0
+    # libraries; the 2.14.1 venv has 13.0-13.5, cuDNN 9.24 and NCCL 2.30 (checked: the suite runs).
+    "$VENV/bin/pip" install -q --no-deps "torch==$TORCH_VERSION"
+    "$VENV/bin/pip" install -q filelock fsspec jinja2 networkx sympy typing-extensions "setuptools<82"
+    FROM=${FLCOMM_CUDA_LIBS_FROM:-.venv}
+    from_site=$("$FROM/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    [ -d "$from_site/nvidia" ] || { echo "[setup] $FROM has no nvidia/ CUDA libraries: set up $FROM first" >&2; exit 1; }
+    ln -sfn "$(cd "$from_site" && pwd)/nvidia" "$site/nvidia"
+  else
+    "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"
+  fi
 fi
-.venv/bin/pip install -q "setuptools>=77" wheel ninja numpy
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
-echo "[setup] building flcomm (CUDA_HOME=${CUDA_HOME:-unset}, FLCOMM_CUDA=${FLCOMM_CUDA:-auto})"
-.venv/bin/pip install -q --no-build-isolation -e ".[test,plot,hf]"
-.venv/bin/python -m flcomm info
+echo "[setup] building flcomm in $VENV (CUDA_HOME=${CUDA_HOME:-unset}, FLCOMM_CUDA=${FLCOMM_CUDA:-auto})"
+if [ "$LEAN" = 1 ]; then
+  # NOTE: --no-deps: pip would otherwise resolve torch's own requirements (the CUDA wheels) again.
+  # The list is pyproject's dependencies and [test,plot] extras, less torch.
+  "$VENV/bin/pip" install -q "setuptools>=77,<82" wheel ninja numpy tqdm "pytest>=8" pytest-timeout hypothesis matplotlib
+  "$VENV/bin/pip" install -q --no-build-isolation --no-deps -e .
+else
+  "$VENV/bin/pip" install -q "setuptools>=77" wheel ninja numpy
+  "$VENV/bin/pip" install -q --no-build-isolation -e ".[test,plot,hf]"
+fi
+"$VENV/bin/python" -m flcomm info

@@ -11,17 +11,26 @@ Creating one is collective over a torch.distributed group::
     transport.all_reduce(t, op="avg")
 
 Steps of :meth:`NcclTransport.from_group`:
-  1. each rank checks locally that NCCL can run here (built with NCCL, a CUDA device);
-  2. rank 0 of the group makes a unique id (``ncclGetUniqueId``) and broadcasts it through the
-     group (``broadcast_object_list``: gloo or NCCL groups alike);
+  1. each rank checks locally that NCCL can run here (built with NCCL, a CUDA device) and picks
+     its device (:func:`default_device`: the group's bound device, else ``LOCAL_RANK``);
+  2. rank 0 of the group makes a unique id (``ncclGetUniqueId``) and shares it through the c10d
+     store (:func:`exchange_unique_id`: no GPU collective, so no device is touched before init);
   3. every rank builds ``NcclComm(id, size, rank, device, timeout)``: non-blocking NCCL init,
      polled until every rank has joined or the timeout has passed.
+
+Streams (as torch's ProcessGroupNCCL): every launch goes on the caller's current stream and
+records its tensors with the caching allocator; ``wait()`` of a blocking transport blocks the host
+(with the timeout), of a non-blocking one makes the *current* stream wait on the launch's event.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import defaultdict
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
+
+import os
 
 import torch
 from torch import Tensor
@@ -53,8 +62,7 @@ def nccl_available() -> tuple[bool, str]:
         return False, f"no CUDA device: {e}"
     if gpus < 1:
         return False, "no CUDA device is visible (torch.cuda.device_count() == 0)"
-    code = C.nccl_version_loaded()
-    return True, f"NCCL {code // 10000}.{(code // 100) % 100}.{code % 100}"
+    return True, f"NCCL {_native.nccl_version_string(C.nccl_version_loaded())}"
 
 
 def _seconds(timeout: timedelta | float) -> float:
@@ -64,8 +72,9 @@ def _seconds(timeout: timedelta | float) -> float:
 class _NativeHandle:
     """Adapts a native ``NcclWork`` to the handle protocol of :class:`flcomm.comm.base.Work`.
 
-    ``blocking_wait=False``: the launch is ordered on the caller's stream, so ``wait`` only
-    checks for an NCCL error and returns without blocking the host (like torch's NCCL work).
+    ``blocking_wait=False``: ``wait`` makes the caller's current stream wait on the launch's
+    event and returns without blocking the host (torch's NCCL ``Work.wait()``); it raises at once
+    if the communicator has already reported an error.
     """
 
     def __init__(self, work: Any, blocking_wait: bool) -> None:
@@ -73,14 +82,12 @@ class _NativeHandle:
         self._blocking = blocking_wait
 
     def is_completed(self) -> bool:
-        # C: bool NcclWork::is_completed()  (cudaEventQuery + ncclCommGetAsyncError)
         return bool(self._work.is_completed())
 
     def wait(self, timeout: timedelta | float) -> bool:
         if not self._blocking:
-            self._work.is_completed()  # raises on an NCCL error
+            self._work.stream_wait()
             return True
-        # C: bool NcclWork::wait(double timeout_s)  (polls; aborts + throws on error / timeout)
         return bool(self._work.wait(_seconds(timeout)))
 
 
@@ -94,8 +101,8 @@ class NcclTransport(Transport):
         stats: shared statistics (default: a new :class:`CommStats`).
         timeout: bound of every ``wait`` (default 300 s).
         blocking_wait: ``wait()`` blocks the host until the GPU has finished, with the timeout
-            (default). False: ``wait()`` returns at once, the work being ordered on the caller's
-            stream; time statistics then measure the issue only, and a hang is not detected.
+            (default). False: ``wait()`` makes the current stream wait on the work and returns at
+            once; time statistics then measure the issue only, and a hang is not detected.
         device: the device tensors must be on (default ``cuda:<comm.device>``).
     """
 
@@ -115,7 +122,7 @@ class NcclTransport(Transport):
                    device: int | torch.device | None = None, blocking_wait: bool = True) -> NcclTransport:
         """Create one communicator over ``group`` (None: the default group); collective.
 
-        ``device``: this rank's CUDA device (default: ``torch.cuda.current_device()``).
+        ``device``: this rank's CUDA device (default: :func:`default_device`).
         """
         import torch.distributed as dist
 
@@ -123,25 +130,15 @@ class NcclTransport(Transport):
         if not ok:
             raise RuntimeError(f"NcclTransport.from_group: {reason}")
         group = group if group is not None else dist.group.WORLD
-        if device is None:
-            index = torch.cuda.current_device()
-        else:
-            index = torch.device("cuda", device).index if isinstance(device, int) else torch.device(device).index
-            if index is None:
-                raise ValueError(f"device must be a CUDA device index or 'cuda:<i>', got {device!r}")
-        uid = exchange_unique_id(group)
+        index = default_device(group) if device is None else _device_index(device)
+        uid = exchange_unique_id(group, timeout)
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        C = _native.native()
-        # C: NcclComm::NcclComm(const std::string& unique_id, int nranks, int rank, int device,
-        #                       double timeout_s)  (ncclCommInitRankConfig, blocking = 0)
-        comm = C.NcclComm(uid, size, rank, index, _seconds(timeout))
+        comm = _native.native().NcclComm(uid, size, rank, index, _seconds(timeout))
         return cls(comm, tier, stats, timeout, blocking_wait)
 
     def split(self, color: int, key: int | None = None, tier: LinkTier | str | None = None) -> NcclTransport | None:
         """Sub-communicator of the ranks passing ``color`` (ordered by ``key``, default the rank);
         ``color < 0`` joins none and gets None. Collective over this transport; shares its stats."""
-        # C: std::shared_ptr<NcclComm> NcclComm::split(int color, int key, double timeout_s)
-        #    (ncclCommSplit; nullptr for NCCL_SPLIT_NOCOLOR)
         child = self.comm.split(color, self.rank if key is None else key, _seconds(self.timeout))
         if child is None:
             return None
@@ -154,12 +151,10 @@ class NcclTransport(Transport):
 
     def close(self) -> None:
         """Flush and free the communicator (ncclCommFinalize + ncclCommDestroy)."""
-        # C: void NcclComm::destroy()
         self.comm.destroy()
 
     def abort(self) -> None:
         """Drop outstanding work and free the communicator at once (ncclCommAbort)."""
-        # C: void NcclComm::abort()
         self.comm.abort()
 
     # ---- the protocol: device checks first, so nothing is issued or counted for bad input ----
@@ -195,45 +190,92 @@ class NcclTransport(Transport):
         return _NativeHandle(work, self.blocking_wait)
 
     def _all_reduce(self, tensor: Tensor, op: ReduceOp) -> Any:
-        # C: std::shared_ptr<NcclWork> NcclComm::all_reduce(const at::Tensor& tensor,
-        #                                                    const std::string& op)  (ncclAllReduce)
         return self._handle(self.comm.all_reduce(tensor, op.value))
 
     def _reduce_scatter(self, output: Tensor, input: Tensor, op: ReduceOp) -> Any:
-        # C: std::shared_ptr<NcclWork> NcclComm::reduce_scatter(const at::Tensor& output,
-        #        const at::Tensor& input, const std::string& op)  (ncclReduceScatter)
         return self._handle(self.comm.reduce_scatter(output, input, op.value))
 
     def _all_gather(self, output: Tensor, input: Tensor) -> Any:
-        # C: std::shared_ptr<NcclWork> NcclComm::all_gather(const at::Tensor& output,
-        #        const at::Tensor& input)  (ncclAllGather)
         return self._handle(self.comm.all_gather(output, input))
 
     def _all_to_all(self, output: Tensor, input: Tensor) -> Any:
-        # C: std::shared_ptr<NcclWork> NcclComm::all_to_all(const at::Tensor& output,
-        #        const at::Tensor& input)  (ncclGroupStart; ncclSend + ncclRecv per peer; ncclGroupEnd)
         return self._handle(self.comm.all_to_all(output, input))
 
     def _broadcast(self, tensor: Tensor, src: int) -> Any:
-        # C: std::shared_ptr<NcclWork> NcclComm::broadcast(const at::Tensor& tensor, int root)
-        #    (ncclBroadcast, in place)
         return self._handle(self.comm.broadcast(tensor, src))
 
 
-def exchange_unique_id(group: dist.ProcessGroup | None = None) -> bytes:
-    """Rank 0 of ``group`` makes an NCCL unique id; every rank of the group returns it. Collective.
+def _device_index(device: int | torch.device | str) -> int:
+    d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if d.type != "cuda" or d.index is None:
+        raise ValueError(f"device must be a CUDA device index or 'cuda:<i>', got {device!r}")
+    return d.index
 
-    NOTE: ``broadcast_object_list`` works on gloo and NCCL groups alike (on NCCL it stages the
-    bytes through the current CUDA device).
+
+def default_device(group: dist.ProcessGroup | None = None) -> int:
+    """This rank's CUDA device index when none is given, checked against the visible devices.
+
+    1. the device the process group is bound to (``init_process_group(device_id=...)``);
+    2. else ``LOCAL_RANK`` (torchrun and most launchers set it);
+    3. else ``torch.cuda.current_device()`` (what ``torch.cuda.set_device`` chose).
+
+    NOTE: not simply the current device: without ``set_device`` every local rank would pick
+    cuda:0 and NCCL's init fails with "Duplicate GPU".
     """
     import torch.distributed as dist
 
     group = group if group is not None else dist.group.WORLD
+    bound = getattr(group, "bound_device_id", None) if group is not None else None
+    count = torch.cuda.device_count()
+    if bound is not None and bound.type == "cuda":
+        index, source = (bound.index if bound.index is not None else torch.cuda.current_device()), "bound device"
+    elif os.environ.get("LOCAL_RANK", "").strip():
+        raw = os.environ["LOCAL_RANK"].strip()
+        if not raw.isdigit():
+            raise ValueError(f"LOCAL_RANK must be a non-negative integer, got {raw!r}")
+        index, source = int(raw), "LOCAL_RANK"
+    else:
+        index, source = torch.cuda.current_device(), "torch.cuda.current_device()"
+    if not 0 <= index < count:
+        raise ValueError(f"NcclTransport: this rank's device from {source} is cuda:{index}, but "
+                         f"{count} CUDA device(s) are visible; pass device= or set CUDA_VISIBLE_DEVICES")
+    return index
+
+
+# NOTE: per-group call counters: every rank of a group calls exchange_unique_id in the same order
+# (it is collective), so (group name, count) names the same store key on every rank.
+_EXCHANGES: defaultdict[str, itertools.count] = defaultdict(itertools.count)
+
+
+def exchange_unique_id(group: dist.ProcessGroup | None = None,
+                       timeout: timedelta | float = DEFAULT_TIMEOUT) -> bytes:
+    """Rank 0 of ``group`` makes an NCCL unique id; every rank of the group returns it. Collective.
+
+    Steps: 1. the key ``flcomm/nccl_unique_id/<group name>/<n>`` (the n-th exchange of the
+    group); 2. rank 0 sets it in the default c10d store; 3. the others wait for it (bounded by
+    ``timeout``) and read it.
+
+    NOTE: the c10d store, not a collective: a broadcast over an NCCL group would stage the bytes
+    through a CUDA device before this rank's NCCL device is even chosen.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    group = group if group is not None else dist.group.WORLD
     C = _native.native()
-    # C: std::string nccl_unique_id()  (ncclGetUniqueId; 128 bytes)
-    obj: list[bytes | None] = [C.nccl_unique_id() if dist.get_rank(group) == 0 else None]
-    dist.broadcast_object_list(obj, src=dist.get_global_rank(group, 0), group=group)
-    uid = obj[0]
+    name = str(group.group_name)
+    key = f"flcomm/nccl_unique_id/{name}/{next(_EXCHANGES[name])}"
+    store = c10d._get_default_store()
+    if dist.get_rank(group) == 0:
+        uid = C.nccl_unique_id()
+        store.set(key, uid)
+    else:
+        try:
+            store.wait([key], timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout))
+        except RuntimeError as e:  # the store's timeout error
+            raise TimeoutError(f"exchange_unique_id: rank 0 of group {name!r} did not publish the NCCL "
+                               f"unique id {key!r} within {timeout}: {e}") from e
+        uid = store.get(key)
     if not isinstance(uid, bytes) or len(uid) != C.NCCL_UNIQUE_ID_BYTES:
         raise RuntimeError(f"exchange_unique_id: expected {C.NCCL_UNIQUE_ID_BYTES} bytes from rank 0, "
                            f"got {type(uid).__name__} of length {len(uid) if uid is not None else 0}")

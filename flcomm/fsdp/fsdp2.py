@@ -208,6 +208,14 @@ class ReplicateAllReduceHook:
         return compressed_all_reduce
 
     def __call__(self, reduce_output: Tensor) -> None:
+        if reduce_output.is_cuda:
+            # NOTE: FSDP2 allocates reduce_output on its reduce-scatter stream and runs this hook
+            # on its all-reduce stream; it keeps the buffer alive across streams only for native
+            # HSDP. With param_dtype != reduce_dtype the next reduce-scatter could reuse the
+            # memory while our all-reduce still runs: tell the caching allocator it is in use on
+            # this (the hook's) stream. Buffers made below are allocated on this stream, and the
+            # transports record what they launch elsewhere.
+            reduce_output.record_stream(torch.cuda.current_stream(reduce_output.device))
         if self.codec is None:
             self.transport.all_reduce(reduce_output, self.op)
             return
