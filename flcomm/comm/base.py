@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -117,6 +117,17 @@ def wire_bytes(collective: str, nbytes: int, n: int) -> int:
         return nbytes if n > 1 else 0
     raise ValueError(f"collective must be all_reduce, reduce_scatter, all_gather, all_to_all or "
                      f"broadcast, got {collective!r}")
+
+
+@runtime_checkable
+class Handle(Protocol):
+    """What every asynchronous operation of flcomm returns: ``wait(timeout=None)`` blocks until
+    it is done (or makes the current CUDA stream wait for it) and returns its result;
+    ``is_completed()`` polls without blocking."""
+
+    def wait(self, timeout: timedelta | float | None = None) -> Any: ...
+
+    def is_completed(self) -> bool: ...
 
 
 class Work:
