@@ -93,14 +93,14 @@ def _tensor(m: nn.Module, name: str) -> Tensor:
 
 def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 1e-2,
              outer: str = "avg", outer_lr: float = 0.7, outer_momentum: float = 0.9,
-             inner_state: str = "keep", overlap: bool = False, seed: int = 0,
+             inner_state: str = "keep", overlap: bool = False, overlap_steps: int = 1, seed: int = 0,
              model_kw: dict | None = None) -> list[dict[str, Tensor]]:
     """Train F copies for T steps; return each copy's parameters and floating buffers.
 
     Sync at steps E, 2E, ...: ``avg`` sets every copy to the mean of the copies; ``nesterov``
     gives torch.optim.SGD(nesterov=True) on a global model the gradient ``global - mean`` and
     sets every copy to the global model (buffers: the mean). With ``overlap`` the result of the
-    sync at step t is applied after the local step t + 1 (or at the end) as
+    sync at step t is applied after the local step t + k (k = ``overlap_steps``; or at the end) as
     ``w_f += (new_global - old_global) - (w_f(t) - old_global)``.
     """
     model_kw = model_kw or {}
@@ -113,6 +113,7 @@ def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 
     outer_opt = (torch.optim.SGD(gparams, lr=outer_lr, momentum=outer_momentum, nesterov=True)
                  if outer == "nesterov" else None)
     pending: dict | None = None  # overlap: (displacement per name, own delta per copy)
+    apply_at = 0
 
     @torch.no_grad()
     def sync() -> dict:
@@ -155,13 +156,13 @@ def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 
             (sum(losses) / G).backward()
             opts[f].step()
             opts[f].zero_grad()
-        if pending is not None:
+        if pending is not None and t >= apply_at:
             apply(pending)
             pending = None
         if t % E == 0:
             res = sync()
             if overlap:
-                pending = res
+                pending, apply_at = res, t + overlap_steps
             else:
                 with torch.no_grad():
                     for m in models:

@@ -134,10 +134,12 @@ def _run_case(world: int, case: dict) -> float:
     fk = case.get("fed", {})
     sim = simulate(F, world // F, E, T, opt=case.get("opt", "adamw"), lr=case.get("lr", 1e-2),
                    outer=fk.get("outer", "avg"), inner_state=fk.get("inner_state", "keep"),
-                   overlap=fk.get("overlap", False), model_kw=model_kw)
+                   overlap=fk.get("overlap", False), overlap_steps=fk.get("overlap_steps", 1),
+                   model_kw=model_kw)
     worst = _compare(_full(model, kind), sim[fm.coords.group], f"{case}")
     if F > 1:
-        expect = [t % E == 0 or (bool(fk.get("overlap")) and t > 1 and (t - 1) % E == 0) for t in range(1, T + 1)]
+        k = fk.get("overlap_steps", 1)
+        expect = [t % E == 0 or (bool(fk.get("overlap")) and t > k and (t - k) % E == 0) for t in range(1, T + 1)]
         assert flags == expect, (flags, expect)
         assert fed.num_syncs == T // E and fed.exposed_comm_s > 0
     else:
@@ -176,6 +178,12 @@ SEMANTIC_CASES = [
     dict(kind="fsdp2", F=2, E=2, T=7, fed={"outer": "nesterov", "overlap": True}),
     dict(kind="fsdp2", F=2, E=2, T=6, fed={"inner_state": "average"}),
     dict(kind="plain", F=4, E=2, T=5, fed={"inner_state": "reset"}),
+    # overlap_steps = k: the average applied k steps after its sync (Streaming DiLoCo's tau)
+    dict(kind="fsdp2", F=2, E=3, T=8, fed={"overlap": True, "overlap_steps": 2}),   # applied at 5, 8
+    dict(kind="plain", F=4, E=2, T=6, fed={"overlap": True, "overlap_steps": 2}),  # k = E
+    dict(kind="fsdp2", F=2, E=4, T=9, fed={"overlap": True, "overlap_steps": 2, "outer": "nesterov"}),
+    dict(kind="plain", F=4, E=2, T=5, fed={"bucket_mb": 1e-4}),                    # many buckets, in place
+    dict(kind="fsdp2", F=2, E=2, T=5, fed={"overlap": True, "bucket_mb": 1e-4, "outer": "nesterov"}),
 ]
 
 
@@ -394,10 +402,10 @@ def _errors_worker(rank: int, world: int) -> dict:
             FedAvg(model, fm2, **kw)
     with pytest.raises(TypeError, match="FedMesh"):
         FedAvg(model, object(), sync_every=1)
-    with pytest.raises(ValueError, match="codec"):
-        from flcomm.federated.exchange import check_codec
+    with pytest.raises(TypeError, match="codec must be a name"):
+        from flcomm.federated.exchange import resolve_codec
 
-        check_codec(3)
+        resolve_codec(3)
 
     # model sharded over the whole world, but 2 federation groups: refused
     world_mesh = init_device_mesh("cpu", (world,))
@@ -432,7 +440,7 @@ def _errors_worker(rank: int, world: int) -> dict:
                 model.inp.weight[0, 0] = float("nan")
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         with pytest.raises(NonFiniteAverageError,
-                           match=r"fed group ranks \[0, 1, 2, 3\].*from ranks \[2\] \(federation groups \[2\]\)") as ei:
+                           match=r"sync of step 2.*from ranks \[2\] \(federation groups \[2\]\)") as ei:
             fed.step()
         assert ei.value.bad_ranks == [2] and ei.value.fed_ranks == [0, 1, 2, 3]
         for n, p in model.named_parameters():
@@ -441,21 +449,77 @@ def _errors_worker(rank: int, world: int) -> dict:
         for r in fed._exchange.state_dict().get("residuals", []):
             assert r is None or bool(torch.isfinite(r).all()), (kw, "residuals keep NaN")
 
-    # the flat fallback when the bucketing module is unavailable: codec none only
-    saved = sys.modules.get("flcomm.collectives.bucketing")
-    sys.modules["flcomm.collectives.bucketing"] = None  # makes the import raise ImportError
+    # a NaN in one fed group reaches every rank of every federation group, with one message
+    _, model, opt = _build(world, 2, None, "fsdp2", mesh=fm2)
+    fed = FedAvg(model, fm2, sync_every=1, overlap=True)
+    loss_fn(model, *batch(fm2.coords.group, fm2.coords.index, 1)).backward()
+    opt.step()
+    if rank == 3:
+        with torch.no_grad():
+            next(model.parameters()).to_local().view(-1)[0] = float("nan")
+    fed.step()  # starts the exchange (overlap): the refusal comes at the apply
+    with pytest.raises(NonFiniteAverageError) as ei:
+        fed.step()
+    out = {"refusal": str(ei.value), "bad": ei.value.bad_ranks}
+    return out
+
+
+def _precision_worker(rank: int, world: int) -> dict:
+    """fp64 stays fp64 (or is refused); a codec object reaches the exchange as given."""
+    from flcomm.codecs import Int8Codec
+    from flcomm.comm.base import LinkTier
+    from flcomm.federated.fedavg import FedAvg
+
+    fm4 = _mesh(world, 4)
+    out: dict = {}
+    model = make_model(0).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-12 * (rank + 1) * torch.ones_like(p))  # below fp32 resolution
+    want = {}
+    for n, p in model.named_parameters():
+        t = p.detach().clone()
+        dist.all_reduce(t)
+        want[n] = t / world
+    fed = FedAvg(model, fm4, sync_every=1, sync_init=False)  # the paper's mode: in place, fp64
+    fed.step()
+    out["fp64_err"] = max((p.detach() - want[n]).abs().max().item() for n, p in model.named_parameters())
+    out["fp64_delta_anchor"] = str(FedAvg(model, fm4, sync_every=1, overlap=True)._anchor[0].dtype)
     try:
-        _, model, opt = _build(world, 2, None, "fsdp2", mesh=fm2)
-        fed = FedAvg(model, fm2, sync_every=2)
-        assert fed._exchange.backend == "flat"
-        _train(fm2, model, opt, fed, range(1, 5))
-        _compare(_full(model, "fsdp2"), simulate(2, 2, 2, 4)[fm2.coords.group], "flat fallback")
-        with pytest.raises(RuntimeError, match="needs flcomm.collectives.bucketing"):
-            FedAvg(model, fm2, sync_every=2, codec="int8")
-    finally:
-        sys.modules["flcomm.collectives.bucketing"] = saved
-    return {"ok": True}
+        FedAvg(model, fm4, sync_every=1, codec="int8")
+        out["fp64_int8"] = "no error"
+    except ValueError as e:
+        out["fp64_int8"] = str(e)
+    got = {}
+    for name, codec in (("default", "int8"), ("b64", Int8Codec(block_size=64))):
+        model = make_model(0, d=32)
+        fed = FedAvg(model, fm4, sync_every=1, codec=codec)
+        fm4.stats.reset()
+        fed.step()
+        got[name] = (fed._exchange.bar.codec, fm4.stats.bytes(LinkTier.INTER_GROUP))
+    out["b64_is_given"] = got["b64"][0].block_size == 64 and got["default"][0].block_size != 64
+    out["bytes"] = (got["default"][1], got["b64"][1])
+    return out
 
 
-def test_errors_nan_refusal_and_fallback(combined):
+def test_fp64_kept_or_refused_and_codec_object_passed_down():
+    res = run_distributed(_precision_worker, 4, timeout=200)
+    r = res[0]
+    assert r["fp64_err"] < 1e-15, r  # an fp32 average would be off by ~1e-8 at magnitude ~0.5
+    assert r["fp64_delta_anchor"] == "torch.float64"
+    assert "would cut the precision of the fp64 tensors" in r["fp64_int8"], r
+    assert r["b64_is_given"]
+    # block 64 carries 4x the scales of block 256: more bytes on the wire, measured
+    assert r["bytes"][1] > r["bytes"][0], r["bytes"]
+
+
+def test_nan_refusal_reaches_every_federation_group(combined):
+    res = _part(combined, "errors")
+    msgs = {r["refusal"] for r in res}
+    assert len(msgs) == 1, msgs  # every rank of every group: the same message
+    assert all(r["bad"] == [3] for r in res)
+    assert "sync of step 1" in msgs.pop()
+
+
+def test_errors_nan_refusal(combined):
     _part(combined, "errors")

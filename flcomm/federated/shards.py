@@ -45,7 +45,7 @@ class Slot:
         return self.get()
 
 
-def _is_dtensor(t: Tensor) -> bool:
+def is_dtensor(t: Tensor) -> bool:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch < 2.4
@@ -65,7 +65,7 @@ def model_kind(model: nn.Module) -> str:
     """``"fsdp2"``, ``"fsdp1"`` or ``"plain"``."""
     if _fsdp1_units(model):
         return "fsdp1"
-    if any(_is_dtensor(p) for p in model.parameters()):
+    if any(is_dtensor(p) for p in model.parameters()):
         return "fsdp2"
     return "plain"
 
@@ -114,7 +114,7 @@ def collect_slots(model: nn.Module, mesh: "FedMesh") -> tuple[str, list[Slot]]:
         for name, p in model.named_parameters():
             if not p.is_floating_point():
                 continue
-            if _is_dtensor(p):
+            if is_dtensor(p):
                 dm = p.device_mesh
                 ranks = [int(r) for r in dm.mesh.flatten().tolist()]
                 if not set(ranks) <= group:
@@ -130,7 +130,7 @@ def collect_slots(model: nn.Module, mesh: "FedMesh") -> tuple[str, list[Slot]]:
 
 
 def _local(t: Tensor) -> Tensor:
-    return t.to_local() if _is_dtensor(t) else t.data
+    return t.to_local() if is_dtensor(t) else t.data
 
 
 def persistent_buffers(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
