@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from flcomm.comm.base import ReduceOp, Transport, Work, check_pair
+from flcomm.comm.base import ReduceOp, Transport, Work, check_op, check_pair
 from flcomm.comm.engine import Job, get_engine
 
 if TYPE_CHECKING:
@@ -147,6 +147,7 @@ def hierarchical_reduce_scatter(output: Tensor, input: Tensor, intra: Transport,
                          f"{P} x output elements ({P} x {output.numel()} = {P * output.numel()}), got "
                          f"{input.numel()} (pad the input to a multiple of {P})")
     check_pair("hierarchical reduce_scatter", output, input, input.numel() // P)
+    check_op(op, input)  # NOTE: before launch: an error inside the engine would stop its lane
     if P == 1:
         output.copy_(input)
         return output
