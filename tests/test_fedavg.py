@@ -184,6 +184,9 @@ SEMANTIC_CASES = [
     dict(kind="fsdp2", F=2, E=4, T=9, fed={"overlap": True, "overlap_steps": 2, "outer": "nesterov"}),
     dict(kind="plain", F=4, E=2, T=5, fed={"bucket_mb": 1e-4}),                    # many buckets, in place
     dict(kind="fsdp2", F=2, E=2, T=5, fed={"overlap": True, "bucket_mb": 1e-4, "outer": "nesterov"}),
+    # offload="cpu": the same algorithm with the full-size state in host memory
+    dict(kind="fsdp2", F=2, E=2, T=5, fed={"overlap": True, "outer": "nesterov", "offload": "cpu",
+                                            "bucket_mb": 1e-4}),
 ]
 
 

@@ -73,6 +73,7 @@ class _Slot:
         self.plans: dict[tuple[int, torch.dtype], TwoHopPlan] = {}
         self.work: Work | None = None
         self.plan: TwoHopPlan | None = None
+        self.residual: Tensor | None = None  # offload: the bucket's residual, staged on the device
 
 
 def bucket_dtype(dtype: torch.dtype, keep_dtype: bool) -> torch.dtype:
@@ -99,11 +100,14 @@ class BucketedAllReduce:
         keep_dtype: buckets in each tensor's own dtype (codec ``none`` only): a bf16 model puts
             bf16 on the wire. Otherwise fp32 (fp64 tensors: fp64, codec ``none`` only).
         engine: the progress engine (default: the process's ``"exchange"`` lane of the device).
+        offload: keep the residuals in host memory (pinned on CUDA) and stage each bucket's
+            through the device while it is exchanged.
     """
 
     def __init__(self, transport: Transport, tensors: list[Tensor], codec: str | Codec = "none",
                  bucket_mb: float = 25.0, error_feedback: bool = False, op: Any = "avg",
-                 keep_dtype: bool = False, engine: ProgressEngine | None = None) -> None:
+                 keep_dtype: bool = False, engine: ProgressEngine | None = None,
+                 offload: bool = False) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a flcomm Transport, got {type(transport).__name__}")
         self.transport = transport
@@ -114,6 +118,7 @@ class BucketedAllReduce:
         self.bucket_mb = float(bucket_mb)
         self.error_feedback = bool(error_feedback)
         self.keep_dtype = bool(keep_dtype)
+        self.offload = bool(offload)
         tensors = list(tensors)
         if not tensors:
             raise ValueError("BucketedAllReduce needs at least one tensor")
@@ -173,8 +178,10 @@ class BucketedAllReduce:
                     close()
         close()
         if self.error_feedback:
+            home = torch.device("cpu") if self.offload else self.device
+            pin = self.offload and self.device.type == "cuda"
             for b in buckets:
-                b.residual = torch.zeros(b.padded, dtype=torch.float32, device=self.device)
+                b.residual = torch.zeros(b.padded, dtype=torch.float32, device=home, pin_memory=pin)
         return buckets
 
     @property
@@ -194,8 +201,9 @@ class BucketedAllReduce:
         """Bytes held: ``staging`` (slot buffers and two-hop plans) and ``residual``."""
         staging = 0
         for s in self._slots:
-            if s.flat is not None:
-                staging += s.flat.numel() * s.flat.element_size()
+            for t in (s.flat, s.residual):
+                if t is not None:
+                    staging += t.numel() * t.element_size()
             for p in s.plans.values():
                 staging += p.nbytes()
         res = sum(b.residual.numel() * 4 for b in self._buckets if b.residual is not None)
@@ -285,21 +293,39 @@ class BucketedAllReduce:
         job.stage = f"bucket {k}/{len(self._buckets)}: pack, encode, hop 1"
         flat = self._slot_flat(slot, b)
         pack(b.segments, flat[: b.numel])
+        res = self._stage_residual(slot, b)
         if self.codec.lossless or self.transport.size == 1:
-            slot.work = lossless_all_reduce(self.transport, flat, b.residual, self.op)
+            slot.work = lossless_all_reduce(self.transport, flat, res, self.op)
             slot.plan = None
+            self._unstage_residual(slot, b)
             return
         key = (b.padded, b.dtype)
         if key not in slot.plans:
             slot.plans[key] = TwoHopPlan(self.transport, b.padded, self.codec, self.op, self.device)
         slot.plan = slot.plans[key]
-        slot.plan.first(flat, b.residual)
+        slot.plan.first(flat, res)
+
+    def _stage_residual(self, slot: _Slot, b: _Bucket) -> Tensor | None:
+        """The bucket's residual on the device (offload: copied into the slot's staging)."""
+        if b.residual is None or b.residual.device == self.device:
+            return b.residual
+        if slot.residual is None or slot.residual.numel() < b.padded:
+            slot.residual = torch.empty(b.padded, dtype=torch.float32, device=self.device)
+        dev = slot.residual[: b.padded]
+        dev.copy_(b.residual, non_blocking=True)
+        return dev
+
+    def _unstage_residual(self, slot: _Slot, b: _Bucket) -> None:
+        # NOTE: the residual is final once the reduced chunk was re-encoded (hop 2 issued)
+        if b.residual is not None and b.residual.device != self.device:
+            b.residual.copy_(slot.residual[: b.padded])
 
     def _middle(self, job: Job, k: int) -> None:
         slot = self._slots[k % 2]
         if slot.plan is not None:
             job.stage = f"bucket {k}/{len(self._buckets)}: reduce, re-encode, hop 2"
             slot.plan.second()
+            self._unstage_residual(slot, self._buckets[k])
 
     def _finish(self, job: Job, k: int, unpack: PackFn) -> None:
         b, slot = self._buckets[k], self._slots[k % 2]

@@ -17,6 +17,10 @@ Modes (what a bucket's ``pack`` writes and its ``unpack`` does with the average)
   own``.
 
 A bucket whose average is not finite is not applied; :attr:`ExchangeResult.bad_buckets` lists it.
+
+Offload: the anchors, own deltas, momentum and residuals may live in host memory (pinned on
+CUDA); each bucket's pieces are then staged through the device while it is packed or applied,
+so the device holds two buckets beyond the model.
 """
 
 from __future__ import annotations
@@ -68,14 +72,15 @@ class DeltaExchange:
     def __init__(self, transport: "Transport", tensors: list[Tensor], *, codec: Codec, bucket_mb: float,
                  error_feedback: bool, in_place: bool, anchors: list[Tensor] | None = None,
                  own: list[Tensor] | None = None, outer: "OuterOptimizer | None" = None,
-                 momentum_index: list[int | None] | None = None) -> None:
+                 momentum_index: list[int | None] | None = None, offload: bool = False) -> None:
         self.codec, self.in_place = codec, in_place
         self.anchors, self.own, self.outer = anchors, own, outer
         self.momentum_index = momentum_index or [None] * len(tensors)
         if not in_place and anchors is None:
             raise ValueError("the delta modes need the anchors")
         self.bar = BucketedAllReduce(transport, tensors, codec=codec, bucket_mb=bucket_mb,
-                                     error_feedback=error_feedback, op="avg", keep_dtype=in_place)
+                                     error_feedback=error_feedback, op="avg", keep_dtype=in_place,
+                                     offload=offload)
 
     @property
     def work_dtypes(self) -> list[torch.dtype]:
@@ -102,6 +107,16 @@ class DeltaExchange:
     def _piece(t: Tensor, s: Segment) -> Tensor:
         return t.view(-1)[s.tensor_offset: s.tensor_offset + s.length]
 
+    @staticmethod
+    def _on(piece: Tensor, device: torch.device) -> Tensor:
+        """``piece`` on ``device`` (a staged copy when it lives elsewhere: offload)."""
+        return piece if piece.device == device else piece.to(device, non_blocking=True)
+
+    @staticmethod
+    def _back(home: Tensor, staged: Tensor) -> None:
+        if staged is not home:
+            home.copy_(staged)
+
     def _pack(self, segs: list[Segment], flat: Tensor, locals_: list[Tensor]) -> None:
         for s in segs:
             out = flat[s.bucket_offset: s.bucket_offset + s.length]
@@ -110,7 +125,7 @@ class DeltaExchange:
                 continue
             out.copy_(self._piece(locals_[s.index], s))
             if not self.in_place:
-                out.sub_(self._piece(self.anchors[s.index], s))
+                out.sub_(self._on(self._piece(self.anchors[s.index], s), out.device))
 
     def _unpack(self, segs: list[Segment], flat: Tensor, locals_: list[Tensor]) -> None:
         for s in segs:
@@ -119,15 +134,25 @@ class DeltaExchange:
             if self.in_place:
                 local.copy_(mean)
                 continue
+            dev = mean.device
             m = self.momentum_index[s.index]
-            disp = mean if m is None else self.outer.piece_(mean, self._piece(self.outer.buffers[m], s))
-            anchor = self._piece(self.anchors[s.index], s)
+            disp = mean
+            if m is not None:
+                home = self._piece(self.outer.buffers[m], s)
+                buf = self._on(home, dev)
+                disp = self.outer.piece_(mean, buf)
+                self._back(home, buf)
+            home = self._piece(self.anchors[s.index], s)
+            anchor = self._on(home, dev)
             anchor.add_(disp)
+            self._back(home, anchor)
             if self.own is None:
                 local.copy_(anchor)
             else:
-                own = self._piece(self.own[s.index], s)
+                home = self._piece(self.own[s.index], s)
+                own = self._on(home, dev)
                 own.neg_().add_(disp)
+                self._back(home, own)
 
     # ---- state ----
     def state_dict(self) -> dict:

@@ -116,6 +116,8 @@ class FedAvg:
         overlap: apply the exchange later, while the next steps compute (module doc).
         overlap_steps: k in [1, sync_every], the steps between a sync and its apply (overlap).
         bucket_mb: bucket size of the exchange.
+        offload: ``"cpu"`` keeps the anchor, own delta, outer momentum and residuals in host
+            memory (pinned on CUDA), streamed through the buckets during a sync.
         optimizer: the inner optimizer (needed by ``inner_state`` average / reset).
         sync_init: broadcast the model from federation group 0 at construction, so all groups
             start from one point (the algorithm assumes it).
@@ -131,8 +133,12 @@ class FedAvg:
                  error_feedback: bool = False, outer: str = "avg", outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, inner_state: str = "keep", overlap: bool = False,
                  overlap_steps: int = 1, bucket_mb: float = 25.0,
-                 optimizer: torch.optim.Optimizer | None = None, sync_init: bool = True) -> None:
+                 optimizer: torch.optim.Optimizer | None = None, sync_init: bool = True,
+                 offload: str | None = None) -> None:
         self._check_args(sync_every, bucket_mb, overlap_steps)
+        if offload not in (None, "cpu"):
+            raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+        self.offload = offload
         self.codec_spec = resolve_codec(codec)
         self.codec = self.codec_spec.name
         self.outer_kind = Outer.parse(outer)
@@ -204,10 +210,18 @@ class FedAvg:
         if sync_init:
             self._broadcast_from_group0()
         work = [bucket_dtype(t.dtype, self.in_place) for t in locals_]
-        self._anchor = ([] if self.in_place else
-                        [t.detach().to(d, copy=True).contiguous() for t, d in zip(locals_, work)])
-        self._own = [torch.zeros_like(a) for a in self._anchor] if self.overlap else None
+        home = torch.device("cpu") if self.offload else self.device
+        pin = self.offload is not None and self.device.type == "cuda"
+
+        def full(t: Tensor, dtype: torch.dtype) -> Tensor:
+            out = torch.empty(t.shape, dtype=dtype, device=home, pin_memory=pin)
+            return out.copy_(t)
+
+        self._anchor = [] if self.in_place else [full(t.detach(), d) for t, d in zip(locals_, work)]
+        self._own = [full(torch.zeros_like(a), a.dtype) for a in self._anchor] if self.overlap else None
         self._outer.allocate([a for a, p in zip(self._anchor, self.is_param) if p])
+        if pin:
+            self._outer.buffers = [b.pin_memory() for b in self._outer.buffers]
         mom, n = [], 0
         for p in self.is_param:
             mom.append(n if p and self.outer_kind is Outer.NESTEROV else None)
@@ -221,7 +235,7 @@ class FedAvg:
             error_feedback=self.error_feedback, in_place=self.in_place,
             anchors=None if self.in_place else [self._anchor[i] for i in x],
             own=None if self._own is None else [self._own[i] for i in x], outer=self._outer,
-            momentum_index=[mom[i] for i in x]) if x else None
+            momentum_index=[mom[i] for i in x], offload=self.offload is not None) if x else None
         self._engine = get_engine(self.device, "exchange")
 
     # ---------------------------------------------------------------- public API
@@ -279,8 +293,8 @@ class FedAvg:
     def memory_stats(self) -> dict[str, int]:
         """Bytes this FedAvg holds, per buffer kind (``anchor``, ``own``, ``momentum``,
         ``residual``, ``staging``: bucket buffers and two-hop plans, ``flags``), their ``total``,
-        and ``shard_fp32``: the bytes of this rank's averaged tensors in fp32 (the unit of the
-        memory targets). On CUDA also ``device_peak`` (torch's peak allocation)."""
+        ``offloaded`` (the part of the total in host memory with ``offload``), and ``shard_fp32``:
+        the bytes of this rank's averaged tensors in fp32 (the unit of the memory targets). On CUDA also ``device_peak`` (torch's peak allocation)."""
         def nbytes(ts: list[Tensor] | None) -> int:
             return sum(t.numel() * t.element_size() for t in ts or [])
 
@@ -293,6 +307,7 @@ class FedAvg:
             if self._exchange is not None:
                 out.update(self._exchange.memory_bytes())
         out["total"] = sum(out.values())
+        out["offloaded"] = 0 if not self.offload or not self.federated else out["total"] - out["staging"] - out["flags"]
         out["shard_fp32"] = sum(s.local.numel() * 4 for s in self.slots)
         if self.federated and self.device.type == "cuda":
             out["device_peak"] = int(torch.cuda.max_memory_allocated(self.device))
@@ -340,12 +355,12 @@ class FedAvg:
         if theirs != mine:
             raise ValueError(f"FedAvg state is from another topology: saved {theirs}, this run has {mine}")
         cfg = sd.get("config", {})
-        for key, want in (("outer", self.outer_kind.value), ("error_feedback", self.error_feedback),
-                          ("in_place", self.in_place)):
-            if cfg.get(key, False if key == "in_place" else None) != want:
-                raise ValueError(f"FedAvg state was saved with {key}={cfg.get(key)!r}, this run has {key}={want!r}"
-                                 + (" (the paper's in-place mode keeps no anchor: resume in the same mode)"
-                                    if key == "in_place" else ""))
+        for key, want in (("outer", self.outer_kind.value), ("error_feedback", self.error_feedback)):
+            if cfg.get(key) != want:
+                raise ValueError(f"FedAvg state was saved with {key}={cfg.get(key)!r}, this run has {key}={want!r}")
+        if cfg.get("in_place", False) and not self.in_place:
+            raise ValueError("FedAvg state was saved in the paper's in-place mode, which keeps no anchor; this "
+                             f"run (codec={self.codec!r}, overlap={self.overlap}) needs one: resume in the same mode")
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore what :meth:`state_dict` saved (same topology, model and outer/error-feedback
@@ -365,7 +380,8 @@ class FedAvg:
             raise ValueError(f"FedAvg state has no entry {key!r} for this rank (has {have})")
         mine = sd[key]
         names = [s.name for s in self.slots]
-        anchor = mine["anchor"]
+        # NOTE: the in-place mode keeps no anchor and ignores saved ones (the model is the state)
+        anchor = {} if self.in_place else mine["anchor"]
         want = [] if self.in_place else names
         if list(anchor) != want:
             raise ValueError(f"FedAvg state holds anchors for {list(anchor)}, this model has {want}")
@@ -487,7 +503,7 @@ class FedAvg:
         if self._own is not None:
             for s, o in zip(self.slots, self._own):
                 t = s.local
-                t.add_(o.to(t.dtype) if t.dtype != o.dtype else o)
+                t.add_(o.to(t.device, t.dtype) if (t.dtype, t.device) != (o.dtype, o.device) else o)
         self.num_syncs += 1
 
     def _record_event(self) -> Any:
