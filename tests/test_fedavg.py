@@ -282,7 +282,7 @@ def _part(results: list[dict], name: str) -> list:
     return [res[name][1] for res in results]
 
 
-COMPRESSED = [("bf16", False), ("int8", False), ("int8", True), ("fp8", True)]
+COMPRESSED = [("bf16", False), ("int8", False), ("int8", True), ("fp8", True), ("int8", "bf16")]
 #: stated tolerance: max |w_codec - w_none| / max |w_none - w_init| after 6 AdamW steps, 3 syncs
 CODEC_TOL = {"bf16": 0.01, "int8": 0.02, "fp8": 0.08}  # measured: 3.3e-3, 5.4e-3 (4.1e-3 with EF), 2.0e-2
 
@@ -298,7 +298,8 @@ def _compressed_worker(rank: int, world: int) -> dict:
         _, model, opt = _build(world, 2, None, "fsdp2", mesh=fm, model_kw={"d": 32})
         # NOTE: ~4k-element shards in buckets of 0.02 MB (5k elements): several buckets per
         # exchange, large enough that the codecs' block padding is small
-        fed = FedAvg(model, fm, sync_every=2, codec=codec, error_feedback=ef, bucket_mb=0.01)
+        fed = FedAvg(model, fm, sync_every=2, codec=codec, error_feedback=bool(ef), bucket_mb=0.01,
+                     residual_dtype=ef if isinstance(ef, str) else "fp32")
         fm.stats.reset()
         _train(fm, model, opt, fed, range(1, 7))
         res[(codec, ef)] = (_full(model, "fsdp2"), fm.stats.bytes(LinkTier.INTER_GROUP), fed.num_syncs)
@@ -310,7 +311,7 @@ def _compressed_worker(rank: int, world: int) -> dict:
         got, nbytes, syncs = res[(codec, ef)]
         assert syncs == 3
         err = max((got[n] - base[n]).abs().max().item() for n in w0) / moved
-        out[f"{codec}{'+ef' if ef else ''}"] = (err, nbytes / base_bytes)
+        out[f"{codec}{'+ef' if ef else ''}{'-' + ef if isinstance(ef, str) else ''}"] = (err, nbytes / base_bytes)
     return out
 
 
@@ -320,6 +321,8 @@ def test_compressed_within_tolerance_of_uncompressed(combined):
         codec = name.split("+")[0]
         assert 0 < err < CODEC_TOL[codec], (name, err)  # lossy, and within the stated tolerance
         assert byte_ratio < (0.6 if codec in ("bf16", "fp16") else 0.35), (name, byte_ratio)
+    # a bf16 residual keeps what error feedback gains (measured: 4.11e-3 for both)
+    assert res[0]["int8+ef-bf16"][0] <= 1.2 * res[0]["int8+ef"][0], res[0]
     print({k: (f"err {e:.2e}", f"bytes x{b:.3f}") for k, (e, b) in res[0].items()})
 
 

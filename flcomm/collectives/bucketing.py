@@ -102,12 +102,14 @@ class BucketedAllReduce:
         engine: the progress engine (default: the process's ``"exchange"`` lane of the device).
         offload: keep the residuals in host memory (pinned on CUDA) and stage each bucket's
             through the device while it is exchanged.
+        residual_dtype: dtype the residuals are kept in (fp32, or bf16 to halve them; staged in
+            fp32 while a bucket is exchanged).
     """
 
     def __init__(self, transport: Transport, tensors: list[Tensor], codec: str | Codec = "none",
                  bucket_mb: float = 25.0, error_feedback: bool = False, op: Any = "avg",
                  keep_dtype: bool = False, engine: ProgressEngine | None = None,
-                 offload: bool = False) -> None:
+                 offload: bool = False, residual_dtype: torch.dtype = torch.float32) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a flcomm Transport, got {type(transport).__name__}")
         self.transport = transport
@@ -119,6 +121,9 @@ class BucketedAllReduce:
         self.error_feedback = bool(error_feedback)
         self.keep_dtype = bool(keep_dtype)
         self.offload = bool(offload)
+        if residual_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"residual_dtype must be torch.float32 or torch.bfloat16, got {residual_dtype}")
+        self.residual_dtype = residual_dtype
         tensors = list(tensors)
         if not tensors:
             raise ValueError("BucketedAllReduce needs at least one tensor")
@@ -181,7 +186,7 @@ class BucketedAllReduce:
             home = torch.device("cpu") if self.offload else self.device
             pin = self.offload and self.device.type == "cuda"
             for b in buckets:
-                b.residual = torch.zeros(b.padded, dtype=torch.float32, device=home, pin_memory=pin)
+                b.residual = torch.zeros(b.padded, dtype=self.residual_dtype, device=home, pin_memory=pin)
         return buckets
 
     @property
@@ -206,7 +211,7 @@ class BucketedAllReduce:
                     staging += t.numel() * t.element_size()
             for p in s.plans.values():
                 staging += p.nbytes()
-        res = sum(b.residual.numel() * 4 for b in self._buckets if b.residual is not None)
+        res = sum(b.residual.numel() * b.residual.element_size() for b in self._buckets if b.residual is not None)
         return {"staging": staging, "residual": res}
 
     def _check(self, tensors: list[Tensor], what: str) -> None:
@@ -306,8 +311,8 @@ class BucketedAllReduce:
         slot.plan.first(flat, res)
 
     def _stage_residual(self, slot: _Slot, b: _Bucket) -> Tensor | None:
-        """The bucket's residual on the device (offload: copied into the slot's staging)."""
-        if b.residual is None or b.residual.device == self.device:
+        """The bucket's fp32 residual on the device (offload or bf16: staged in the slot)."""
+        if b.residual is None or (b.residual.device == self.device and b.residual.dtype == torch.float32):
             return b.residual
         if slot.residual is None or slot.residual.numel() < b.padded:
             slot.residual = torch.empty(b.padded, dtype=torch.float32, device=self.device)
@@ -317,7 +322,7 @@ class BucketedAllReduce:
 
     def _unstage_residual(self, slot: _Slot, b: _Bucket) -> None:
         # NOTE: the residual is final once the reduced chunk was re-encoded (hop 2 issued)
-        if b.residual is not None and b.residual.device != self.device:
+        if b.residual is not None and slot.residual is not None and b.residual is not slot.residual:
             b.residual.copy_(slot.residual[: b.padded])
 
     def _middle(self, job: Job, k: int) -> None:
@@ -377,6 +382,7 @@ class BucketedAllReduce:
                 continue
             if b.residual is None:
                 raise ValueError("state dict holds residuals but error_feedback is off")
-            if r.shape != b.residual.shape:
-                raise ValueError(f"residual {i} has shape {tuple(r.shape)}, expected {tuple(b.residual.shape)}")
+            if r.shape != b.residual.shape or r.dtype != b.residual.dtype:
+                raise ValueError(f"residual {i} is {tuple(r.shape)} {r.dtype}, expected "
+                                 f"{tuple(b.residual.shape)} {b.residual.dtype}")
             b.residual.copy_(r)

@@ -116,6 +116,8 @@ class FedAvg:
         overlap: apply the exchange later, while the next steps compute (module doc).
         overlap_steps: k in [1, sync_every], the steps between a sync and its apply (overlap).
         bucket_mb: bucket size of the exchange.
+        residual_dtype: ``"fp32"`` or ``"bf16"`` (halves the error-feedback residuals; see the
+            README for its effect on the int8 error).
         offload: ``"cpu"`` keeps the anchor, own delta, outer momentum and residuals in host
             memory (pinned on CUDA), streamed through the buckets during a sync.
         optimizer: the inner optimizer (needed by ``inner_state`` average / reset).
@@ -134,8 +136,12 @@ class FedAvg:
                  outer_momentum: float = 0.9, inner_state: str = "keep", overlap: bool = False,
                  overlap_steps: int = 1, bucket_mb: float = 25.0,
                  optimizer: torch.optim.Optimizer | None = None, sync_init: bool = True,
-                 offload: str | None = None) -> None:
+                 offload: str | None = None, residual_dtype: str = "fp32") -> None:
         self._check_args(sync_every, bucket_mb, overlap_steps)
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+        if residual_dtype not in dtypes:
+            raise ValueError(f"residual_dtype must be one of {list(dtypes)}, got {residual_dtype!r}")
+        self.residual_dtype = dtypes[residual_dtype]
         if offload not in (None, "cpu"):
             raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
         self.offload = offload
@@ -235,7 +241,8 @@ class FedAvg:
             error_feedback=self.error_feedback, in_place=self.in_place,
             anchors=None if self.in_place else [self._anchor[i] for i in x],
             own=None if self._own is None else [self._own[i] for i in x], outer=self._outer,
-            momentum_index=[mom[i] for i in x], offload=self.offload is not None) if x else None
+            momentum_index=[mom[i] for i in x], offload=self.offload is not None,
+            residual_dtype=self.residual_dtype) if x else None
         self._engine = get_engine(self.device, "exchange")
 
     # ---------------------------------------------------------------- public API
