@@ -135,13 +135,15 @@ def _run_case(world: int, case: dict) -> float:
     sim = simulate(F, world // F, E, T, opt=case.get("opt", "adamw"), lr=case.get("lr", 1e-2),
                    outer=fk.get("outer", "avg"), inner_state=fk.get("inner_state", "keep"),
                    overlap=fk.get("overlap", False), overlap_steps=fk.get("overlap_steps", 1),
-                   model_kw=model_kw)
+                   model_kw=model_kw, fragments=fk.get("fragments", 1))
     worst = _compare(_full(model, kind), sim[fm.coords.group], f"{case}")
     if F > 1:
-        k = fk.get("overlap_steps", 1)
-        expect = [t % E == 0 or (bool(fk.get("overlap")) and t > k and (t - k) % E == 0) for t in range(1, T + 1)]
+        k, K = fk.get("overlap_steps", 1), fk.get("fragments", 1)
+        syncs = [t for t in range(1, T + 1) for j in range(K) if (t - j * E // K) % E == 0]
+        applies = {t + k for t in syncs} if fk.get("overlap") else set()
+        expect = [t in syncs or t in applies for t in range(1, T + 1)]
         assert flags == expect, (flags, expect)
-        assert fed.num_syncs == T // E and fed.exposed_comm_s > 0
+        assert fed.num_syncs == len(syncs) and fed.exposed_comm_s > 0
     else:
         assert flags == [False] * T and fed.num_syncs == 0 and fed.exposed_comm_s == 0
     return worst
@@ -184,6 +186,11 @@ SEMANTIC_CASES = [
     dict(kind="fsdp2", F=2, E=4, T=9, fed={"overlap": True, "overlap_steps": 2, "outer": "nesterov"}),
     dict(kind="plain", F=4, E=2, T=5, fed={"bucket_mb": 1e-4}),                    # many buckets, in place
     dict(kind="fsdp2", F=2, E=2, T=5, fed={"overlap": True, "bucket_mb": 1e-4, "outer": "nesterov"}),
+    # streaming fragments (K = 2, 4 with E = 8): fragment j syncs at (t - j E / K) % E == 0
+    dict(kind="fsdp2", F=2, E=8, T=12, fed={"fragments": 2}),
+    dict(kind="fsdp2", F=2, E=8, T=13, fed={"fragments": 4, "overlap": True, "outer": "nesterov"}),
+    dict(kind="plain", F=4, E=8, T=11, fed={"fragments": 4, "codec": "none", "error_feedback": False}),
+    dict(kind="plain", F=4, E=8, T=12, fed={"fragments": 2, "overlap": True, "overlap_steps": 2}),
     # offload="cpu": the same algorithm with the full-size state in host memory
     dict(kind="fsdp2", F=2, E=2, T=5, fed={"overlap": True, "outer": "nesterov", "offload": "cpu",
                                             "bucket_mb": 1e-4}),
@@ -328,13 +335,23 @@ def test_compressed_within_tolerance_of_uncompressed(combined):
 
 # ------------------------------------------------------------------ state, NaN, bad input
 def _roundtrip_worker(rank: int, world: int, ckpt_dir: str) -> dict:
+    import os
+
+    base = dict(sync_every=2, outer="nesterov", codec="int8", error_feedback=True, overlap=True, bucket_mb=0.0005)
+    # the second holds per-fragment state (fragments synced at odd and even steps)
+    out = {}
+    for name, kw in (("single", base), ("fragments", {**base, "fragments": 2})):
+        d = os.path.join(ckpt_dir, name)
+        out[name] = _roundtrip_one(rank, world, d, kw)
+    return out
+
+
+def _roundtrip_one(rank: int, world: int, ckpt_dir: str, kw: dict) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from flcomm.federated.fedavg import FedAvg
 
     fm = _mesh(world, 2)
-    kw = dict(sync_every=2, outer="nesterov", codec="int8", error_feedback=True, overlap=True,
-              bucket_mb=0.0005)
 
     def fresh():
         _, model, opt = _build(world, 2, None, "fsdp2", mesh=fm)
@@ -346,7 +363,10 @@ def _roundtrip_worker(rank: int, world: int, ckpt_dir: str) -> dict:
     shards = [p.to_local().detach().clone() for p in model.parameters()]
     opt_sd = copy.deepcopy(opt.state_dict())
     fed_sd = copy.deepcopy(fed.state_dict())
-    assert fed_sd["steps"] == 5 and fed_sd["num_syncs"] == 2
+    K = kw.get("fragments", 1)
+    assert fed_sd["steps"] == 5 and fed_sd["num_syncs"] == (2 if K == 1 else 5)
+    if K > 1:
+        assert len(fed_sd[f"rank{rank}"]["exchange"]["fragments"]) == K
     dcp.save({"fed": fed.state_dict()}, checkpoint_id=ckpt_dir)
     _train(fm, model, opt, fed, range(6, 10))
     fed.finish()
@@ -380,7 +400,8 @@ def _roundtrip_worker(rank: int, world: int, ckpt_dir: str) -> dict:
 
 def test_state_dict_round_trip(combined):
     res = _part(combined, "roundtrip")
-    assert res[0]["without_state_diff"] > 1e-6
+    for name in ("single", "fragments"):
+        assert res[0][name]["without_state_diff"] > 1e-6, name
 
 
 def _errors_worker(rank: int, world: int) -> dict:
@@ -529,3 +550,13 @@ def test_nan_refusal_reaches_every_federation_group(combined):
 
 def test_errors_nan_refusal(combined):
     _part(combined, "errors")
+
+
+def test_fragment_partition():
+    from flcomm.federated.fedavg import partition
+
+    assert partition([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
+    assert partition([5] * 8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert partition([1, 1, 100, 1], 2) == [[0, 1, 2], [3]]  # whole tensors: about equal
+    with pytest.raises(ValueError, match="cannot split 2 tensors .* into 4 fragments"):
+        partition([100, 1], 4)

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -97,6 +98,41 @@ class NonFiniteAverageError(FloatingPointError):
         self.bad_ranks = bad_ranks
 
 
+@dataclass
+class _Fragment:
+    """One fragment of the averaged tensors (all of them when ``fragments=1``): it syncs at the
+    steps with ``(step - offset) % E == 0`` and has its own exchange, flags and job in flight."""
+
+    index: int
+    offset: int
+    slots: list[int]  # indices into FedAvg.slots
+    xidx: list[int]  # the non-empty ones, exchanged
+    exchange: DeltaExchange | None
+    flags: Tensor
+    job: Job | None = None
+    apply_at: int = 0
+    sync_step: int = 0
+
+
+def partition(numels: list[int], k: int) -> list[list[int]]:
+    """Contiguous runs of tensor indices, K of them, of about equal size: fragment j ends after
+    the first tensor at which the running total reaches (j+1)/K of the whole. ValueError when a
+    fragment would be empty (too few tensors, or one tensor larger than several fragments)."""
+    total = sum(numels)
+    bounds, cum, j = [0], 0, 1
+    for i, n in enumerate(numels):
+        cum += n
+        while j < k and cum * k >= j * total:
+            bounds.append(i + 1)
+            j += 1
+    bounds += [len(numels)] * (k + 1 - len(bounds))
+    parts = [list(range(bounds[f], bounds[f + 1])) for f in range(k)]
+    if any(not p for p in parts):
+        raise ValueError(f"cannot split {len(numels)} tensors (sizes {numels[:8]}{'...' if len(numels) > 8 else ''}) "
+                         f"into {k} fragments of about equal size: use fewer fragments")
+    return parts
+
+
 class FedAvg:
     """Periodic averaging of the local shards across federation groups.
 
@@ -118,6 +154,9 @@ class FedAvg:
         bucket_mb: bucket size of the exchange.
         residual_dtype: ``"fp32"`` or ``"bf16"`` (halves the error-feedback residuals; see the
             README for its effect on the int8 error).
+        fragments: K, dividing ``sync_every``: the tensors are split into K fragments of about
+            equal size (:func:`partition`), and fragment k syncs at the steps with
+            ``(step - k E / K) % E == 0`` (Streaming DiLoCo), so each sync moves 1/K of the shard.
         offload: ``"cpu"`` keeps the anchor, own delta, outer momentum and residuals in host
             memory (pinned on CUDA), streamed through the buckets during a sync.
         optimizer: the inner optimizer (needed by ``inner_state`` average / reset).
@@ -136,8 +175,14 @@ class FedAvg:
                  outer_momentum: float = 0.9, inner_state: str = "keep", overlap: bool = False,
                  overlap_steps: int = 1, bucket_mb: float = 25.0,
                  optimizer: torch.optim.Optimizer | None = None, sync_init: bool = True,
-                 offload: str | None = None, residual_dtype: str = "fp32") -> None:
+                 offload: str | None = None, residual_dtype: str = "fp32", fragments: int = 1) -> None:
         self._check_args(sync_every, bucket_mb, overlap_steps)
+        if not isinstance(fragments, int) or isinstance(fragments, bool) or fragments < 1 or sync_every % fragments:
+            raise ValueError(f"fragments (K) must be an integer >= 1 that divides sync_every={sync_every}, "
+                             f"got {fragments!r}")
+        if fragments > 1 and InnerState.parse(inner_state) is not InnerState.KEEP:
+            raise ValueError(f"inner_state={inner_state!r} is not supported with fragments > 1 (only 'keep')")
+        self.fragments = fragments
         dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
         if residual_dtype not in dtypes:
             raise ValueError(f"residual_dtype must be one of {list(dtypes)}, got {residual_dtype!r}")
@@ -172,9 +217,7 @@ class FedAvg:
         self.num_syncs = 0
         self._exposed_host_s = 0.0
         self._exposed_events: list[tuple[Any, Any]] = []
-        self._inflight: Job | None = None
-        self._apply_at = 0
-        self._sync_step = 0
+        self._frags: list[_Fragment] = []
         self._warned_slow = False
         self._outer = OuterOptimizer(self.outer_kind, outer_lr, outer_momentum)
         self.kind, self.slots = collect_slots(model, mesh)
@@ -209,7 +252,6 @@ class FedAvg:
         # one-hot int32 vector over the fed group): a lossy codec may turn NaN/Inf into finite
         # garbage, so the averaged delta alone cannot be trusted to show it.
         self._fed_index = self.fed_ranks.index(self.rank)
-        self._flags = torch.zeros(len(self.fed_ranks), dtype=torch.int32, device=self.device)
         # NOTE: bad ranks (world-wide) and an overflow bit, OR-ed over the federation group at
         # the apply, so every rank of every group refuses with the same message.
         self._world_flags = torch.zeros(self.topology.world_size + 1, dtype=torch.int32, device=self.device)
@@ -232,17 +274,21 @@ class FedAvg:
         for p in self.is_param:
             mom.append(n if p and self.outer_kind is Outer.NESTEROV else None)
             n += int(p)
-        # NOTE: empty shards (FSDP uneven sharding) are left out of the exchange; the fed peers
-        # hold the same shard coordinates, so they leave out the same ones.
-        self._xidx = [i for i, t in enumerate(locals_) if t.numel() > 0]
-        x = self._xidx
-        self._exchange = DeltaExchange(
-            self.transport, [locals_[i] for i in x], codec=self.codec_spec, bucket_mb=self.bucket_mb,
-            error_feedback=self.error_feedback, in_place=self.in_place,
-            anchors=None if self.in_place else [self._anchor[i] for i in x],
-            own=None if self._own is None else [self._own[i] for i in x], outer=self._outer,
-            momentum_index=[mom[i] for i in x], offload=self.offload is not None,
-            residual_dtype=self.residual_dtype) if x else None
+        # NOTE: the partition uses the tensors' global sizes, so every rank cuts the same fragments
+        parts = partition([s.numel for s in self.slots], self.fragments) if self.slots else [[]]
+        for f, part in enumerate(parts):
+            # NOTE: empty shards (FSDP uneven sharding) are left out of the exchange; the fed
+            # peers hold the same shard coordinates, so they leave out the same ones.
+            x = [i for i in part if locals_[i].numel() > 0]
+            ex = DeltaExchange(
+                self.transport, [locals_[i] for i in x], codec=self.codec_spec, bucket_mb=self.bucket_mb,
+                error_feedback=self.error_feedback, in_place=self.in_place,
+                anchors=None if self.in_place else [self._anchor[i] for i in x],
+                own=None if self._own is None else [self._own[i] for i in x], outer=self._outer,
+                momentum_index=[mom[i] for i in x], offload=self.offload is not None,
+                residual_dtype=self.residual_dtype) if x else None
+            flags = torch.zeros(len(self.fed_ranks), dtype=torch.int32, device=self.device)
+            self._frags.append(_Fragment(f, f * self.sync_every // self.fragments, part, x, ex, flags))
         self._engine = get_engine(self.device, "exchange")
 
     # ---------------------------------------------------------------- public API
@@ -254,16 +300,18 @@ class FedAvg:
         if not self.federated:
             return False
         did = False
-        if self._inflight is not None:
-            self._inflight.check()
-            if self.steps >= self._apply_at:
-                self._apply()
+        for fr in self._frags:
+            if fr.job is not None:
+                fr.job.check()
+                if self.steps >= fr.apply_at:
+                    self._apply(fr)
+                    did = True
+        for fr in self._frags:
+            if (self.steps - fr.offset) % self.sync_every == 0:
+                self._start(fr)
+                if not self.overlap:
+                    self._apply(fr)
                 did = True
-        if self.steps % self.sync_every == 0:
-            self._start()
-            if not self.overlap:
-                self._apply()
-            did = True
         return did
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
@@ -273,12 +321,18 @@ class FedAvg:
 
     def finish(self) -> None:
         """Wait for and apply an exchange in flight (before evaluation, checkpoints, the end)."""
-        if self.federated and self._inflight is not None:
-            self._apply()
+        for fr in self._frags:
+            if fr.job is not None:
+                self._apply(fr)
 
     @property
     def in_flight(self) -> bool:
-        return self._inflight is not None
+        return any(fr.job is not None for fr in self._frags)
+
+    @property
+    def _exchange(self) -> DeltaExchange | None:
+        """The exchange of the first fragment (all tensors when ``fragments=1``)."""
+        return self._frags[0].exchange if self._frags else None
 
     @property
     def exposed_comm_s(self) -> float:
@@ -310,9 +364,11 @@ class FedAvg:
             out["anchor"] = nbytes(self._anchor)
             out["own"] = nbytes(self._own)
             out["momentum"] = nbytes(self._outer.buffers)
-            out["flags"] = nbytes([self._flags, self._world_flags])
-            if self._exchange is not None:
-                out.update(self._exchange.memory_bytes())
+            out["flags"] = nbytes([fr.flags for fr in self._frags] + [self._world_flags])
+            for fr in self._frags:
+                if fr.exchange is not None:
+                    for k, v in fr.exchange.memory_bytes().items():
+                        out[k] += v
         out["total"] = sum(out.values())
         out["offloaded"] = 0 if not self.offload or not self.federated else out["total"] - out["staging"] - out["flags"]
         out["shard_fp32"] = sum(s.local.numel() * 4 for s in self.slots)
@@ -329,14 +385,14 @@ class FedAvg:
         first (see :meth:`check_compatible`). The paper's in-place mode keeps no anchor. Call
         :meth:`finish` first when overlapping.
         """
-        if self._inflight is not None:
+        if self.in_flight:
             raise RuntimeError("FedAvg.state_dict() with an exchange in flight: call finish() first")
         sd: dict[str, Any] = {
             "version": STATE_VERSION,
             "topology": self._topology_meta(),
             "config": {"sync_every": self.sync_every, "codec": self.codec, "outer": self.outer_kind.value,
                        "error_feedback": self.error_feedback, "inner_state": self.inner_state.value,
-                       "in_place": self.in_place},
+                       "in_place": self.in_place, "fragments": self.fragments},
             "steps": self.steps,
             "num_syncs": self.num_syncs,
         }
@@ -348,7 +404,7 @@ class FedAvg:
             sd[f"rank{self.rank}"] = {
                 "anchor": dict(zip(names, self._anchor)),
                 "outer": outer,
-                "exchange": self._exchange.state_dict() if self._exchange is not None else {},
+                "exchange": self._exchange_state(),
                 "exposed_comm_s": self.exposed_comm_s,
             }
         return sd
@@ -362,8 +418,9 @@ class FedAvg:
         if theirs != mine:
             raise ValueError(f"FedAvg state is from another topology: saved {theirs}, this run has {mine}")
         cfg = sd.get("config", {})
-        for key, want in (("outer", self.outer_kind.value), ("error_feedback", self.error_feedback)):
-            if cfg.get(key) != want:
+        for key, want in (("outer", self.outer_kind.value), ("error_feedback", self.error_feedback),
+                          ("fragments", self.fragments)):
+            if cfg.get(key, 1 if key == "fragments" else None) != want:
                 raise ValueError(f"FedAvg state was saved with {key}={cfg.get(key)!r}, this run has {key}={want!r}")
         if cfg.get("in_place", False) and not self.in_place:
             raise ValueError("FedAvg state was saved in the paper's in-place mode, which keeps no anchor; this "
@@ -372,7 +429,7 @@ class FedAvg:
     def load_state_dict(self, sd: dict) -> None:
         """Restore what :meth:`state_dict` saved (same topology, model and outer/error-feedback
         configuration); clear errors otherwise."""
-        if self._inflight is not None:
+        if self.in_flight:
             raise RuntimeError("FedAvg.load_state_dict() with an exchange in flight: call finish() first")
         self.check_compatible(sd)
         if self.federated:
@@ -400,13 +457,25 @@ class FedAvg:
         bufs = outer.get("buffers") or {}
         outer["buffers"] = list(bufs.values())
         self._outer.load_state_dict(outer, [tuple(a.shape) for a, p in zip(self._anchor, self.is_param) if p])
-        if self._exchange is not None:
-            self._exchange.load_state_dict(mine.get("exchange", {}))
+        self._load_exchange_state(mine.get("exchange", {}))
         with torch.no_grad():
             for dst, src in zip(self._anchor, anchor.values()):
                 if dst is not src:
                     dst.copy_(src)
         self.exposed_comm_s = float(mine.get("exposed_comm_s", 0.0))
+
+    def _exchange_state(self) -> dict:
+        """The exchanges' residuals: one fragment's state, or ``{"fragments": [...]}``."""
+        sds = [fr.exchange.state_dict() if fr.exchange is not None else {} for fr in self._frags]
+        return sds[0] if self.fragments == 1 else {"fragments": sds}
+
+    def _load_exchange_state(self, sd: dict) -> None:
+        sds = [sd] if self.fragments == 1 else list(sd.get("fragments", []))
+        if len(sds) != len(self._frags):
+            raise ValueError(f"FedAvg state holds {len(sds)} fragment exchanges, this run has {len(self._frags)}")
+        for fr, s in zip(self._frags, sds):
+            if fr.exchange is not None:
+                fr.exchange.load_state_dict(s)
 
     # ---------------------------------------------------------------- internals
     def _topology_meta(self) -> dict:
@@ -441,75 +510,77 @@ class FedAvg:
                 t.copy_(v)
 
     @torch.no_grad()
-    def _start(self) -> None:
-        """Steps 1-3 of the module docstring: flags and (overlap) the own delta on this thread,
-        the rest as one job of the progress engine."""
-        locals_ = [s.local for s in self.slots]
+    def _start(self, fr: _Fragment) -> None:
+        """Steps 1-3 of the module docstring for fragment ``fr``: flags and (overlap) the own
+        delta on this thread, the rest as one job of the progress engine."""
+        locals_ = {i: self.slots[i].local for i in fr.slots}
         t0 = time.perf_counter()
-        self._flags.zero_()
+        fr.flags.zero_()
         if locals_:
             # NOTE: tensor ops, no device sync here; the anchor is finite (a refused average is
             # never applied), so the delta is finite exactly when the local shard is
-            bad = torch.stack([~torch.isfinite(t).all() for t in locals_]).any()
-            self._flags[self._fed_index] = bad.to(torch.int32)
+            bad = torch.stack([~torch.isfinite(t).all() for t in locals_.values()]).any()
+            fr.flags[self._fed_index] = bad.to(torch.int32)
         if self._own is not None:
-            for o, t, a in zip(self._own, locals_, self._anchor):
-                o.copy_(t)
-                o.sub_(a)
+            for i, t in locals_.items():
+                self._own[i].copy_(t)
+                self._own[i].sub_(self._anchor[i])
         if self.inner_state is InnerState.AVERAGE:
             self._average_inner_state()
         elif self.inner_state is InnerState.RESET:
             self.optimizer.state.clear()
-        xlocals = [locals_[i] for i in self._xidx]
+        xlocals = [locals_[i] for i in fr.xidx]
         if self._engine.stream is not None:
-            for t in [self._flags, *xlocals]:
+            for t in [fr.flags, *xlocals]:
                 t.record_stream(self._engine.stream)
+        exchange, flags = fr.exchange, fr.flags
 
         def run(job: Job) -> ExchangeResult:
             job.stage = "non-finite flags all-reduce"
-            self.transport.all_reduce(self._flags, op="sum")
+            self.transport.all_reduce(flags, op="sum")
             # NOTE: every rank of the fed group sees the same flags: all skip the exchange
-            if bool(self._flags.any()) or self._exchange is None:
+            if bool(flags.any()) or exchange is None:
                 return ExchangeResult()
-            return self._exchange.run(job, xlocals)
+            return exchange.run(job, xlocals)
 
-        self._sync_step = self.steps
-        self._apply_at = self.steps + self.overlap_steps
-        self._inflight = self._engine.submit(run, f"FedAvg exchange of step {self.steps}")
+        fr.sync_step = self.steps
+        fr.apply_at = self.steps + self.overlap_steps
+        name = f"FedAvg exchange of step {self.steps}" + (f" (fragment {fr.index})" if self.fragments > 1 else "")
+        fr.job = self._engine.submit(run, name)
         self._exposed_host_s += time.perf_counter() - t0
 
     @torch.no_grad()
-    def _apply(self) -> None:
+    def _apply(self, fr: _Fragment) -> None:
         """Steps 4-5 of the module docstring (the outer update ran in the engine, bucket by
         bucket): wait, agree on a refusal over the federation group, add the overlap correction."""
-        job, self._inflight = self._inflight, None
+        job, fr.job = fr.job, None
         if self.overlap and not job.is_completed() and not self._warned_slow:
             self._warned_slow = True
-            warnings.warn(f"FedAvg: the exchange of step {self._sync_step} was still running after "
+            warnings.warn(f"FedAvg: the exchange of step {fr.sync_step} was still running after "
                           f"overlap_steps={self.overlap_steps} steps of compute, so the loop waits for it; "
-                          "raise overlap_steps (<= sync_every) or use a faster codec", stacklevel=3)
+                          "raise overlap_steps (<= sync_every), use fragments or a faster codec", stacklevel=3)
         t0 = time.perf_counter()
         ev0 = self._record_event()
-        nb = self._exchange.bar.num_buckets if self._exchange is not None else 0
+        nb = fr.exchange.bar.num_buckets if fr.exchange is not None else 0
         res: ExchangeResult = job.wait(self.mesh.timeout * (2 * nb + 2))
         ev1 = self._record_event()
         if ev0 is not None:
             self._exposed_events.append((ev0, ev1))
         wf = self._world_flags
         wf.zero_()
-        for r, f in zip(self.fed_ranks, self._flags.tolist()):
+        for r, f in zip(self.fed_ranks, fr.flags.tolist()):
             if f:
                 wf[r] = 1
         wf[-1] = int(bool(res.bad_buckets))
         self.group_transport.all_reduce(wf, op="max")
         self._exposed_host_s += time.perf_counter() - t0
         if bool(wf.any()):
-            if self._exchange is not None:
-                self._exchange.sanitize()
-            self._refuse(wf)
+            if fr.exchange is not None:
+                fr.exchange.sanitize()
+            self._refuse(wf, fr)
         if self._own is not None:
-            for s, o in zip(self.slots, self._own):
-                t = s.local
+            for i in fr.slots:
+                t, o = self.slots[i].local, self._own[i]
                 t.add_(o.to(t.device, t.dtype) if (t.dtype, t.device) != (o.dtype, o.device) else o)
         self.num_syncs += 1
 
@@ -520,7 +591,7 @@ class FedAvg:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    def _refuse(self, world_flags: Tensor) -> None:
+    def _refuse(self, world_flags: Tensor, fr: _Fragment) -> None:
         flags = world_flags.tolist()
         bad = [r for r, f in enumerate(flags[:-1]) if f]
         groups = [self.topology.coords(r).group for r in bad]
@@ -530,10 +601,10 @@ class FedAvg:
         else:
             origin = ("no rank sent a non-finite delta: the reduction or the codec overflowed in some "
                       "buckets, whose average was not applied (other buckets were)")
+        what = f"FedAvg sync of step {fr.sync_step}" + (f" (fragment {fr.index})" if self.fragments > 1 else "")
         raise NonFiniteAverageError(
-            f"FedAvg sync of step {self._sync_step}: the average exchanged between federation groups is "
-            f"not finite (NaN/Inf); {origin}. Every rank stops with this error: restore a checkpoint.",
-            list(self.fed_ranks), bad)
+            f"{what}: the average exchanged between federation groups is not finite (NaN/Inf); {origin}. "
+            "Every rank stops with this error: restore a checkpoint.", list(self.fed_ranks), bad)
 
     def _average_inner_state(self) -> None:
         """Average the floating inner-optimizer state (all but ``step``) over the fed group."""
