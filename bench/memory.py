@@ -40,6 +40,8 @@ MODES: dict[str, dict[str, Any]] = {
     "int8+EF, overlap, nesterov": {"codec": "int8", "error_feedback": True, "overlap": True, "outer": "nesterov"},
     "int8+EF, ovl, nest, offload": {"codec": "int8", "error_feedback": True, "overlap": True,
                                     "outer": "nesterov", "offload": "cpu"},
+    "int8+EF, bf16 residual": {"codec": "int8", "error_feedback": True, "residual_dtype": "bf16"},
+    "int8+EF, fragments=4": {"codec": "int8", "error_feedback": True, "fragments": 4},
 }
 TARGETS = {"int8+EF": 2.1, "int8+EF, overlap, nesterov": 4.1}
 
@@ -58,6 +60,13 @@ def live_storage_bytes() -> int:
     return sum(seen.values())
 
 
+@torch.no_grad()
+def _train_step(model: nn.Module) -> None:
+    """A stand-in for a local step (a function, so no loop variable keeps a tensor alive)."""
+    for p in model.parameters():
+        p.add_(0.01 * torch.randn_like(p))
+
+
 def _rank(rank: int, world: int, port: int, a: argparse.Namespace, q: Any) -> None:
     import torch.distributed as dist
 
@@ -74,11 +83,9 @@ def _rank(rank: int, world: int, port: int, a: argparse.Namespace, q: Any) -> No
         model = nn.Sequential(*[nn.Linear(a.width, a.width, bias=False) for _ in range(a.layers)])
         gc.collect()
         before = live_storage_bytes()
-        fed = FedAvg(model, mesh, sync_every=1, bucket_mb=a.bucket_mb, **kw)
-        for _ in range(2):
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(0.01 * torch.randn_like(p))
+        fed = FedAvg(model, mesh, sync_every=kw.get("fragments", 1), bucket_mb=a.bucket_mb, **kw)
+        for _ in range(2 * kw.get("fragments", 1)):  # two syncs of every fragment
+            _train_step(model)
             fed.step()
         fed.finish()
         gc.collect()

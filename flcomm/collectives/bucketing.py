@@ -76,6 +76,11 @@ class _Slot:
         self.residual: Tensor | None = None  # offload: the bucket's residual, staged on the device
 
 
+def new_staging() -> list[_Slot]:
+    """Two staging slots (buffers grow on first use), shareable between all-reduces."""
+    return [_Slot(), _Slot()]
+
+
 def bucket_dtype(dtype: torch.dtype, keep_dtype: bool) -> torch.dtype:
     """The dtype a tensor of ``dtype`` travels in: its own with ``keep_dtype``, else fp32 (fp64
     stays fp64: precision is never cut)."""
@@ -104,12 +109,15 @@ class BucketedAllReduce:
             through the device while it is exchanged.
         residual_dtype: dtype the residuals are kept in (fp32, or bf16 to halve them; staged in
             fp32 while a bucket is exchanged).
+        staging: staging slots (:func:`new_staging`) to share with other all-reduces whose
+            exchanges never overlap (the same engine lane runs them one after another).
     """
 
     def __init__(self, transport: Transport, tensors: list[Tensor], codec: str | Codec = "none",
                  bucket_mb: float = 25.0, error_feedback: bool = False, op: Any = "avg",
                  keep_dtype: bool = False, engine: ProgressEngine | None = None,
-                 offload: bool = False, residual_dtype: torch.dtype = torch.float32) -> None:
+                 offload: bool = False, residual_dtype: torch.dtype = torch.float32,
+                 staging: list[_Slot] | None = None) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a flcomm Transport, got {type(transport).__name__}")
         self.transport = transport
@@ -137,7 +145,7 @@ class BucketedAllReduce:
         self._check_precision()
         self._tensors = tensors
         self._buckets = self._layout([t.numel() for t in tensors])
-        self._slots = [_Slot() for _ in range(min(2, len(self._buckets)))]
+        self._slots = staging if staging is not None else new_staging()
         self._inflight: Job | None = None
         self.engine = engine if engine is not None else get_engine(self.device, "exchange")
 

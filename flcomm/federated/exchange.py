@@ -73,7 +73,7 @@ class DeltaExchange:
                  error_feedback: bool, in_place: bool, anchors: list[Tensor] | None = None,
                  own: list[Tensor] | None = None, outer: "OuterOptimizer | None" = None,
                  momentum_index: list[int | None] | None = None, offload: bool = False,
-                 residual_dtype: torch.dtype = torch.float32) -> None:
+                 residual_dtype: torch.dtype = torch.float32, staging: list | None = None) -> None:
         self.codec, self.in_place = codec, in_place
         self.anchors, self.own, self.outer = anchors, own, outer
         self.momentum_index = momentum_index or [None] * len(tensors)
@@ -81,7 +81,7 @@ class DeltaExchange:
             raise ValueError("the delta modes need the anchors")
         self.bar = BucketedAllReduce(transport, tensors, codec=codec, bucket_mb=bucket_mb,
                                      error_feedback=error_feedback, op="avg", keep_dtype=in_place,
-                                     offload=offload, residual_dtype=residual_dtype)
+                                     offload=offload, residual_dtype=residual_dtype, staging=staging)
 
     @property
     def work_dtypes(self) -> list[torch.dtype]:

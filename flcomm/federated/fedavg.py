@@ -62,7 +62,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from flcomm.codecs import Codec
-from flcomm.collectives.bucketing import bucket_dtype
+from flcomm.collectives.bucketing import bucket_dtype, new_staging
 from flcomm.comm.engine import Job, get_engine
 from flcomm.federated.exchange import DeltaExchange, ExchangeResult, flat_views, resolve_codec
 from flcomm.federated.outer import Outer, OuterOptimizer
@@ -276,6 +276,8 @@ class FedAvg:
             n += int(p)
         # NOTE: the partition uses the tensors' global sizes, so every rank cuts the same fragments
         parts = partition([s.numel for s in self.slots], self.fragments) if self.slots else [[]]
+        # NOTE: the fragments' exchanges run one after another in the engine: one staging pool
+        staging = new_staging()
         for f, part in enumerate(parts):
             # NOTE: empty shards (FSDP uneven sharding) are left out of the exchange; the fed
             # peers hold the same shard coordinates, so they leave out the same ones.
@@ -286,7 +288,7 @@ class FedAvg:
                 anchors=None if self.in_place else [self._anchor[i] for i in x],
                 own=None if self._own is None else [self._own[i] for i in x], outer=self._outer,
                 momentum_index=[mom[i] for i in x], offload=self.offload is not None,
-                residual_dtype=self.residual_dtype) if x else None
+                residual_dtype=self.residual_dtype, staging=staging) if x else None
             flags = torch.zeros(len(self.fed_ranks), dtype=torch.int32, device=self.device)
             self._frags.append(_Fragment(f, f * self.sync_every // self.fragments, part, x, ex, flags))
         self._engine = get_engine(self.device, "exchange")
@@ -365,10 +367,11 @@ class FedAvg:
             out["own"] = nbytes(self._own)
             out["momentum"] = nbytes(self._outer.buffers)
             out["flags"] = nbytes([fr.flags for fr in self._frags] + [self._world_flags])
-            for fr in self._frags:
-                if fr.exchange is not None:
-                    for k, v in fr.exchange.memory_bytes().items():
-                        out[k] += v
+            exchanges = [fr.exchange for fr in self._frags if fr.exchange is not None]
+            for i, ex in enumerate(exchanges):
+                mem = ex.memory_bytes()
+                out["residual"] += mem["residual"]
+                out["staging"] += mem["staging"] if i == 0 else 0  # NOTE: one shared pool
         out["total"] = sum(out.values())
         out["offloaded"] = 0 if not self.offload or not self.federated else out["total"] - out["staging"] - out["flags"]
         out["shard_fp32"] = sum(s.local.numel() * 4 for s in self.slots)
