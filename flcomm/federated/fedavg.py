@@ -39,6 +39,15 @@ job of the progress engine (:mod:`flcomm.comm.engine`), bucket by bucket
    exchange was in flight; those updates are part of the next round's delta, since the anchor
    is the sync-step average. ``k <= E``, so at most one exchange is in flight.
 
+Streaming fragments (``fragments=K``, K dividing E): the tensors are cut into K fragments of
+about equal size (:func:`partition`); fragment k runs steps 1-5 on its tensors at the steps with
+``(step - k E / K) % E == 0``, so each sync moves 1/K of the shard (Streaming DiLoCo).
+
+Memory (:meth:`FedAvg.memory_stats`): the paper's mode keeps nothing but two staging buckets;
+the other modes keep the anchor, plus the residual (error feedback, fp32 or ``residual_dtype=
+"bf16"``), the own delta (overlap) and the momentum (nesterov); ``offload="cpu"`` keeps these in
+host memory and streams them through the buckets.
+
 An average with NaN/Inf, or built from a non-finite delta (which a lossy codec may hide), is
 refused: at the apply, the bad ranks (and a bit for buckets whose average overflowed) are OR-ed
 over the federation group, so every rank of every group raises the same
