@@ -59,7 +59,8 @@ def _phase(a: argparse.Namespace, mesh: Any, codec: str, mode: str) -> dict[str,
     fed = None
     if mode != "compute":
         fed = FedAvg(model, mesh, sync_every=a.sync_every, codec=codec, error_feedback=codec != "none",
-                     overlap=mode == "overlap", overlap_steps=a.overlap_steps, bucket_mb=a.bucket_mb)
+                     overlap=mode == "overlap", overlap_steps=a.overlap_steps, bucket_mb=a.bucket_mb,
+                     fragments=a.fragments)
     g = torch.Generator().manual_seed(a.seed * 1000 + mesh.rank)
     vocab = model.cfg.vocab_size if hasattr(model, "cfg") else 256
     times: list[float] = []
@@ -118,14 +119,15 @@ def rank_main(a: argparse.Namespace) -> list[dict[str, Any]]:
         ovl_exposed = _slowest(ovl["exposed_s"] / max(1, ovl["syncs"]))
         E, k = a.sync_every, a.overlap_steps
         records.append({
-            "codec": codec + ("+ef" if codec != "none" else ""), "E": E, "k": k,
+            "codec": codec + ("+ef" if codec != "none" else ""), "E": E, "k": k, "K": a.fragments,
             "compute_step_s": compute, "compute_first_last_s": [first, last], "blocking_step_s": blocking_step, "overlap_step_s": overlap_step,
             "blocking_exchange_s": exchange,
-            "exposed_fraction": E * (overlap_step - compute) / exchange if exchange > 0 else 0.0,
+            # NOTE: with K fragments there are K exchanges (of 1/K each) per E steps
+            "exposed_fraction": E * (overlap_step - compute) / (a.fragments * exchange) if exchange > 0 else 0.0,
             "fedavg_exposed_fraction": ovl_exposed / exchange if exchange > 0 else 0.0,
             "overlap_vs_compute": overlap_step / compute,
             "overlap_vs_blocking": overlap_step / blocking_step,
-            "fits": exchange <= k * compute,
+            "fits": exchange <= k * compute,  # per exchange (one fragment's)
         })
     dist.destroy_process_group()
     return records
@@ -147,7 +149,7 @@ def format_table(records: list[dict[str, Any]], a: argparse.Namespace) -> str:
 def _own_argv(a: argparse.Namespace) -> list[str]:
     argv = [sys.executable, "-m", "bench.overlap", "--ranks-per-node", str(a.ranks_per_node),
             "--group-size", str(a.group_size), "--sync-every", str(a.sync_every),
-            "--overlap-steps", str(a.overlap_steps), "--model", a.model, "--batch-size", str(a.batch_size),
+            "--overlap-steps", str(a.overlap_steps), "--fragments", str(a.fragments), "--model", a.model, "--batch-size", str(a.batch_size),
             "--seq-len", str(a.seq_len), "--steps", str(a.steps), "--warmup", str(a.warmup),
             "--bucket-mb", str(a.bucket_mb), "--seed", str(a.seed), "--threads", str(a.threads), "--timeout", str(a.timeout),
             "--codecs", *a.codecs]
@@ -186,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=2)
     p.add_argument("--sync-every", type=int, default=4)
     p.add_argument("--overlap-steps", type=int, default=1)
+    p.add_argument("--fragments", type=int, default=1, help="streaming fragments K (divides E)")
     p.add_argument("--codecs", nargs="+", default=["none", "int8"])
     p.add_argument("--model", default="small")
     p.add_argument("--model-dim", type=int, default=0, help="override the preset's width")
