@@ -120,7 +120,8 @@ def rank_main(a: argparse.Namespace) -> list[dict[str, Any]]:
         E, k = a.sync_every, a.overlap_steps
         records.append({
             "codec": codec + ("+ef" if codec != "none" else ""), "E": E, "k": k, "K": a.fragments,
-            "compute_step_s": compute, "compute_first_last_s": [first, last], "blocking_step_s": blocking_step, "overlap_step_s": overlap_step,
+            "compute_step_s": compute, "compute_first_last_s": [first, last],
+            "blocking_step_s": blocking_step, "overlap_step_s": overlap_step,
             "blocking_exchange_s": exchange,
             # NOTE: with K fragments there are K exchanges (of 1/K each) per E steps
             "exposed_fraction": E * (overlap_step - compute) / (a.fragments * exchange) if exchange > 0 else 0.0,
@@ -149,9 +150,10 @@ def format_table(records: list[dict[str, Any]], a: argparse.Namespace) -> str:
 def _own_argv(a: argparse.Namespace) -> list[str]:
     argv = [sys.executable, "-m", "bench.overlap", "--ranks-per-node", str(a.ranks_per_node),
             "--group-size", str(a.group_size), "--sync-every", str(a.sync_every),
-            "--overlap-steps", str(a.overlap_steps), "--fragments", str(a.fragments), "--model", a.model, "--batch-size", str(a.batch_size),
-            "--seq-len", str(a.seq_len), "--steps", str(a.steps), "--warmup", str(a.warmup),
-            "--bucket-mb", str(a.bucket_mb), "--seed", str(a.seed), "--threads", str(a.threads), "--timeout", str(a.timeout),
+            "--overlap-steps", str(a.overlap_steps), "--fragments", str(a.fragments), "--model", a.model,
+            "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--steps", str(a.steps),
+            "--warmup", str(a.warmup), "--bucket-mb", str(a.bucket_mb), "--seed", str(a.seed),
+            "--threads", str(a.threads), "--timeout", str(a.timeout),
             "--codecs", *a.codecs]
     if a.model_dim:
         argv += ["--model-dim", str(a.model_dim)]

@@ -366,7 +366,9 @@ class FedAvg:
         """Bytes this FedAvg holds, per buffer kind (``anchor``, ``own``, ``momentum``,
         ``residual``, ``staging``: bucket buffers and two-hop plans, ``flags``), their ``total``,
         ``offloaded`` (the part of the total in host memory with ``offload``), and ``shard_fp32``:
-        the bytes of this rank's averaged tensors in fp32 (the unit of the memory targets). On CUDA also ``device_peak`` (torch's peak allocation)."""
+        the bytes of this rank's averaged tensors in fp32 (the unit of the memory targets). On
+        CUDA also ``device_peak`` (torch's peak allocation)."""
+
         def nbytes(ts: list[Tensor] | None) -> int:
             return sum(t.numel() * t.element_size() for t in ts or [])
 
