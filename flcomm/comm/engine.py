@@ -82,6 +82,7 @@ class Job:
         self._done = threading.Event()
         self._event: Any = None  # CUDA: recorded on the communication stream at the end
         self._start_event: Any = None  # CUDA: recorded on the caller's stream at submit
+        self._device: Any = None
 
     def _run(self, stream: Any = None) -> None:
         """Run the function (CUDA: inside ``stream``, after the caller's stream reached the
@@ -138,7 +139,7 @@ class Job:
         if self.error is not None:
             self._raise()
         if self._event is not None:
-            torch.cuda.current_stream(self._event.device).wait_event(self._event)
+            torch.cuda.current_stream(self._device).wait_event(self._event)
         return self.result
 
 
@@ -174,6 +175,7 @@ class ProgressEngine:
             return job
         if self.stream is not None:
             # NOTE: the job reads what the caller's stream produced: its stream waits for it
+            job._device = self.device
             job._start_event = torch.cuda.Event()
             job._start_event.record(torch.cuda.current_stream(self.device))
         self._ensure_thread()
