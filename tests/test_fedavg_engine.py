@@ -85,3 +85,34 @@ def test_killed_peer_ends_survivors_within_the_timeout():
         assert err is not None, f"rank {rank} finished although a peer died"
         assert res["after_s"] < 2 * TIMEOUT_S, res
         assert f"rank {rank}: FedAvg exchange of step 4" in err and "stage" in err, err
+
+
+def _advances(rank: int, world: int) -> dict:
+    from flcomm.federated.fedavg import FedAvg
+    from flcomm.federated.topology import Topology
+
+    fm = Topology(world, world, group_size=1, shard_size=1).build(hierarchical=False)
+    model = make_model(0, d=64)
+    # int8 + EF in many buckets: every stage (encode, hop 1, reduce, re-encode, hop 2, decode,
+    # outer update) of every bucket has to run for the job to complete
+    fed = FedAvg(model, fm, sync_every=1, codec="int8", error_feedback=True, overlap=True,
+                 outer="nesterov", bucket_mb=0.002)
+    fed.step()  # starts the exchange of step 1
+    fr = fed._frags[0]
+    buckets = fr.exchange.bar.num_buckets
+    t0 = time.monotonic()
+    while not fr.job.is_completed() and time.monotonic() - t0 < 60:
+        time.sleep(0.01)  # the "compute": the loop never calls wait()
+    done = fr.job.is_completed()
+    fed.finish()
+    return {"done_without_wait": done, "buckets": buckets, "syncs": fed.num_syncs}
+
+
+def test_exchange_completes_without_the_loop_waiting():
+    from tests.dist import run_distributed
+
+    res = run_distributed(_advances, 2, timeout=120)
+    for r in res:
+        assert r["buckets"] >= 4, r
+        assert r["done_without_wait"], r
+        assert r["syncs"] == 1
