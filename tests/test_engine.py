@@ -113,3 +113,24 @@ def test_hierarchical_all_gather_second_stage_runs_without_wait():
 
     for r in run_distributed(_hier_advances, 4, timeout=120):
         assert r["done_without_wait"] and r["equal"], r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_job_is_stream_ordered_without_host_blocking():
+    eng = ProgressEngine("cuda", lane="test-cuda")
+    eng.submit(lambda j: torch.zeros(1, device="cuda"), "warm-up").wait(60)  # context, stream
+    x = torch.ones(1 << 20, device="cuda")
+
+    def run(j):
+        torch.cuda._sleep(500_000_000)  # a long kernel on the communication stream
+        x.mul_(2)
+        return x
+
+    job = eng.submit(run, "sleep then double")
+    job.wait(60)  # the host waits for the issue only; the caller's stream waits for the rest
+    assert not job.is_completed()  # the kernel is still running: nobody blocked on it
+    y = x + 1  # on the caller's stream, ordered after the job's end event
+    torch.cuda.synchronize()
+    assert job.is_completed()
+    assert torch.equal(y, torch.full_like(x, 3.0))
+    eng.close()
