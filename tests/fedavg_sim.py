@@ -93,14 +93,17 @@ def _tensor(m: nn.Module, name: str) -> Tensor:
 
 def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 1e-2,
              outer: str = "avg", outer_lr: float = 0.7, outer_momentum: float = 0.9,
-             inner_state: str = "keep", overlap: bool = False, seed: int = 0,
-             model_kw: dict | None = None) -> list[dict[str, Tensor]]:
+             inner_state: str = "keep", overlap: bool = False, overlap_steps: int = 1, seed: int = 0,
+             model_kw: dict | None = None, fragments: int = 1) -> list[dict[str, Tensor]]:
     """Train F copies for T steps; return each copy's parameters and floating buffers.
 
     Sync at steps E, 2E, ...: ``avg`` sets every copy to the mean of the copies; ``nesterov``
     gives torch.optim.SGD(nesterov=True) on a global model the gradient ``global - mean`` and
-    sets every copy to the global model (buffers: the mean). With ``overlap`` the result of the
-    sync at step t is applied after the local step t + 1 (or at the end) as
+    sets every copy to the global model (buffers: the mean). With ``fragments`` K the tensors
+    (parameters then buffers) are cut into K contiguous runs, run j ending at the first tensor
+    where the running size reaches (j+1)/K of the total, and run j syncs (as above, on its tensors
+    only) at the steps t with (t - j E / K) % E == 0 (Streaming DiLoCo). With ``overlap`` the result of the
+    sync at step t is applied after the local step t + k (k = ``overlap_steps``; or at the end) as
     ``w_f += (new_global - old_global) - (w_f(t) - old_global)``.
     """
     model_kw = model_kw or {}
@@ -112,10 +115,19 @@ def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 
     gparams = [glob[n] for n in pnames]
     outer_opt = (torch.optim.SGD(gparams, lr=outer_lr, momentum=outer_momentum, nesterov=True)
                  if outer == "nesterov" else None)
-    pending: dict | None = None  # overlap: (displacement per name, own delta per copy)
+    sizes = [_tensor(models[0], n).numel() for n in names]
+    total, runs, start, cum = sum(sizes), [], 0, 0
+    for i, n in enumerate(sizes):
+        cum += n
+        while len(runs) < fragments - 1 and cum * fragments >= (len(runs) + 1) * total:
+            runs.append(names[start:i + 1])
+            start = i + 1
+    runs.append(names[start:])
+    assert len(runs) == fragments and all(runs), (runs, sizes)
+    pending: dict[int, tuple[dict, int]] = {}  # overlap: fragment -> (result, step to apply at)
 
     @torch.no_grad()
-    def sync() -> dict:
+    def sync(names: list[str]) -> dict:
         mean = {n: torch.stack([_tensor(m, n).detach() for m in models]).mean(0) for n in names}
         own = [{n: _tensor(m, n).detach() - glob[n] for n in names} for m in models]
         old = {n: glob[n].clone() for n in names}
@@ -124,10 +136,11 @@ def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 
                 glob[n].copy_(mean[n])
         else:
             for n in pnames:
-                glob[n].grad = glob[n] - mean[n]
+                glob[n].grad = glob[n] - mean[n] if n in names else None  # SGD skips grad None
             outer_opt.step()
             for n in bnames:
-                glob[n].copy_(mean[n])
+                if n in names:
+                    glob[n].copy_(mean[n])
         if inner_state == "average":
             plists = [list(m.parameters()) for m in models]
             for idx in range(len(plists[0])):
@@ -146,7 +159,7 @@ def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 
     @torch.no_grad()
     def apply(p: dict) -> None:
         for k, m in enumerate(models):
-            for n in names:
+            for n in p["disp"]:
                 _tensor(m, n).add_(p["disp"][n] - p["own"][k][n])
 
     for t in range(1, T + 1):
@@ -155,18 +168,20 @@ def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 
             (sum(losses) / G).backward()
             opts[f].step()
             opts[f].zero_grad()
-        if pending is not None:
-            apply(pending)
-            pending = None
-        if t % E == 0:
-            res = sync()
+        for j in sorted(pending):
+            if t >= pending[j][1]:
+                apply(pending.pop(j)[0])
+        for j, run in enumerate(runs):
+            if (t - j * E // fragments) % E:
+                continue
+            res = sync(run)
             if overlap:
-                pending = res
+                pending[j] = (res, t + overlap_steps)
             else:
                 with torch.no_grad():
                     for m in models:
-                        for n in names:
+                        for n in run:
                             _tensor(m, n).copy_(glob[n])
-    if pending is not None:
-        apply(pending)
+    for j in sorted(pending):
+        apply(pending[j][0])
     return [{n: _tensor(m, n).detach().clone() for n in names} for m in models]

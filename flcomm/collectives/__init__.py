@@ -1,7 +1,7 @@
 """Collectives written against the transport protocol: hierarchical reduce-scatter /
 all-gather / all-reduce, the compressed two-hop all-reduce, and pipelined buckets."""
 
-from flcomm.collectives.bucketing import BucketedAllReduce, BucketWork
+from flcomm.collectives.bucketing import BucketedAllReduce
 from flcomm.collectives.compressed import compressed_all_reduce, compressed_wire_bytes
 from flcomm.collectives.hierarchical import (
     Hierarchy,
@@ -11,7 +11,6 @@ from flcomm.collectives.hierarchical import (
 )
 
 __all__ = [
-    "BucketWork",
     "BucketedAllReduce",
     "Hierarchy",
     "compressed_all_reduce",

@@ -1,43 +1,48 @@
-"""Bucketed all-reduce: many tensors packed into persistent flat fp32 buckets, reduced bucket by
-bucket through a codec, asynchronously.
+"""Bucketed all-reduce: many tensors reduced bucket by bucket through a codec, asynchronously, in
+the progress engine (:mod:`flcomm.comm.engine`).
 
 Layout: the tensors are concatenated (in order) into one virtual flat space that is cut into
 buckets of ``bucket_mb`` MB; a tensor may span buckets, so one huge flat shard still pipelines.
-Each bucket is padded to a multiple of ``world * align`` so the two-hop exchange needs no copy.
+A bucket holds one dtype (fp32, or fp64 for fp64 tensors, or with ``keep_dtype`` each tensor's
+own dtype), so a change of dtype starts a new bucket. Each bucket is padded to a multiple of
+``world * align`` so the two-hop exchange needs no copy.
 
-Pipeline of :meth:`BucketedAllReduce.start` / :meth:`BucketWork.wait`:
+Memory: buckets share ``slots`` (2) staging buffers (and two-hop plans), whatever the number of
+buckets; only the error-feedback residuals (one per bucket) persist at full size.
 
-1. (start) for each bucket k: pack the tensors' slices into bucket k, quantize it and issue its
-   all-to-all asynchronously, so bucket k is on the wire while bucket k+1 is packed and
-   compressed (codec ``none``: issue its fp32 all-reduce);
-2. (wait) for each bucket k: wait its all-to-all, reduce and re-quantize, issue its all-gather
-   (bucket k's reduce overlaps bucket k+1's all-to-all);
-3. (wait) for each bucket k: wait its all-gather, dequantize, and write the slices back into the
-   tensors.
+Pipeline of one exchange (one engine job; ``start()`` returns its :class:`~flcomm.comm.engine.Job`)::
 
-On CUDA every stage is enqueued in ``start`` on a side stream that first waits for the caller's
-stream; ``wait`` makes the caller's stream wait on an event and writes back on it (the inputs are
-``record_stream``-ed on the side stream). On CPU the first hop runs under the caller's compute
-(gloo works asynchronously) and the rest in ``wait``.
+    for k in 0 .. B-1:
+        finish bucket k-2    (wait its all-gather, decode, unpack: frees its slot)
+        issue bucket k       (pack, quantize, all-to-all; codec none: all-reduce)
+        middle of bucket k-1 (wait its all-to-all, reduce, re-quantize, all-gather)
+    then the last middle and finishes.
 
-NOTE: every collective is issued from the caller's thread, in the same order on every rank, so
-interleaving with the caller's other collectives cannot deadlock.
+Bucket k is on the wire while bucket k+1 is packed and compressed and bucket k-1 is reduced.
+``pack(segments, flat)`` / ``unpack(segments, flat)`` may replace the default copies (FedAvg
+computes its deltas and applies its outer update there, bucket by bucket).
+
+NOTE: every collective of an exchange is issued by the engine, in the same order on every rank;
+nothing else may issue on the transport while an exchange is in flight.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from flcomm.codecs import Codec, get_codec
-from flcomm.collectives.compressed import TwoHopPlan, _chunk_numel, _parse_op
+from flcomm.collectives.compressed import TwoHopPlan, chunk_numel, lossless_all_reduce, parse_sum_avg
 from flcomm.comm.base import ReduceOp, Transport, Work
+from flcomm.comm.engine import Job, ProgressEngine, get_engine
 
-__all__ = ["BucketWork", "BucketedAllReduce", "Segment"]
+__all__ = ["BucketedAllReduce", "Segment"]
+
+PackFn = Callable[[list["Segment"], Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -51,71 +56,82 @@ class Segment:
     length: int
 
 
+@dataclass
 class _Bucket:
-    def __init__(self, numel: int, padded: int, segments: list[Segment], device: torch.device) -> None:
-        self.numel, self.padded, self.segments = numel, padded, segments
-        self.flat = torch.zeros(padded, dtype=torch.float32, device=device)
-        self.residual: Tensor | None = None
-        self.plan: TwoHopPlan | None = None
+    numel: int
+    padded: int
+    dtype: torch.dtype
+    segments: list[Segment]
+    residual: Tensor | None = None
+
+
+class _Slot:
+    """A staging buffer (and its two-hop plans, by bucket size) reused by every other bucket."""
+
+    def __init__(self) -> None:
+        self.flat: Tensor | None = None
+        self.plans: dict[tuple[int, torch.dtype], TwoHopPlan] = {}
         self.work: Work | None = None
+        self.plan: TwoHopPlan | None = None
+        self.residual: Tensor | None = None  # offload: the bucket's residual, staged on the device
 
 
-class BucketWork:
-    """Handle of one :meth:`BucketedAllReduce.start`. ``wait(timeout)`` completes the exchange
-    and writes the reduced values back into the tensors; ``is_completed()`` polls."""
+def new_staging() -> list[_Slot]:
+    """Two staging slots (buffers grow on first use), shareable between all-reduces."""
+    return [_Slot(), _Slot()]
 
-    def __init__(self, owner: "BucketedAllReduce", tensors: list[Tensor], event: Any = None) -> None:
-        self._owner, self._tensors, self._event = owner, tensors, event
-        self._done = False
 
-    def is_completed(self) -> bool:
-        if self._done:
-            return True
-        if self._event is not None:
-            return bool(self._event.query())
-        b = self._owner._buckets
-        if self._owner.codec.lossless:
-            return all(x.work is None or x.work.is_completed() for x in b)
-        return False  # NOTE: on CPU the second hop only runs inside wait()
-
-    def wait(self, timeout: timedelta | float | None = None) -> list[Tensor]:
-        """Finish the exchange; returns the tensors (now holding the reduced values)."""
-        if self._done:
-            return self._tensors
-        try:
-            self._owner._finish(self, timeout)
-        finally:
-            self._owner._inflight = None
-        self._done = True
-        return self._tensors
+def bucket_dtype(dtype: torch.dtype, keep_dtype: bool) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` travels in: its own with ``keep_dtype``, else fp32 (fp64
+    stays fp64: precision is never cut)."""
+    if keep_dtype or dtype == torch.float64:
+        return dtype
+    return torch.float32
 
 
 class BucketedAllReduce:
-    """All-reduce of a fixed list of tensors through persistent flat buckets.
+    """All-reduce of a fixed list of tensors, bucket by bucket, in the progress engine.
 
     Args:
         transport: the group to reduce over.
-        tensors: the tensors whose shapes and order define the layout (floating dtypes,
-            contiguous, one device); they are also the default target of :meth:`start`.
+        tensors: the tensors whose shapes, dtypes and order define the layout (floating,
+            contiguous, one device); also the default target of :meth:`start`.
         codec: name or :class:`~flcomm.codecs.Codec` (``none``, ``bf16``, ``fp16``, ``int8``,
-            ``fp8``).
+            ``fp8``); an object is used as given (block size included).
         bucket_mb: bucket size in MB (2**20 bytes) of fp32.
-        error_feedback: keep a per-bucket residual of what compression dropped and add it to
+        error_feedback: keep a per-bucket fp32 residual of what compression dropped and add it to
             the next round's input (see :mod:`flcomm.collectives.compressed`).
         op: ``"avg"`` or ``"sum"``.
+        keep_dtype: buckets in each tensor's own dtype (codec ``none`` only): a bf16 model puts
+            bf16 on the wire. Otherwise fp32 (fp64 tensors: fp64, codec ``none`` only).
+        engine: the progress engine (default: the process's ``"exchange"`` lane of the device).
+        offload: keep the residuals in host memory (pinned on CUDA) and stage each bucket's
+            through the device while it is exchanged.
+        residual_dtype: dtype the residuals are kept in (fp32, or bf16 to halve them; staged in
+            fp32 while a bucket is exchanged).
+        staging: staging slots (:func:`new_staging`) to share with other all-reduces whose
+            exchanges never overlap (the same engine lane runs them one after another).
     """
 
     def __init__(self, transport: Transport, tensors: list[Tensor], codec: str | Codec = "none",
-                 bucket_mb: float = 25.0, error_feedback: bool = False, op: Any = "avg") -> None:
+                 bucket_mb: float = 25.0, error_feedback: bool = False, op: Any = "avg",
+                 keep_dtype: bool = False, engine: ProgressEngine | None = None,
+                 offload: bool = False, residual_dtype: torch.dtype = torch.float32,
+                 staging: list[_Slot] | None = None) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a flcomm Transport, got {type(transport).__name__}")
         self.transport = transport
         self.codec = get_codec(codec)
-        self.op: ReduceOp = _parse_op(op)
+        self.op: ReduceOp = parse_sum_avg(op)
         if not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
         self.bucket_mb = float(bucket_mb)
         self.error_feedback = bool(error_feedback)
+        self.keep_dtype = bool(keep_dtype)
+        self.offload = bool(offload)
+        if residual_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"residual_dtype must be torch.float32 or torch.bfloat16, got {residual_dtype}")
+        self.residual_dtype = residual_dtype
         tensors = list(tensors)
         if not tensors:
             raise ValueError("BucketedAllReduce needs at least one tensor")
@@ -126,28 +142,45 @@ class BucketedAllReduce:
                              f"got {self.device}")
         self.shapes = [tuple(t.shape) for t in tensors]
         self.dtypes = [t.dtype for t in tensors]
+        self._check_precision()
         self._tensors = tensors
         self._buckets = self._layout([t.numel() for t in tensors])
-        self._inflight: BucketWork | None = None
-        self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self._slots = staging if staging is not None else new_staging()
+        self._inflight: Job | None = None
+        self.engine = engine if engine is not None else get_engine(self.device, "exchange")
+
+    def _check_precision(self) -> None:
+        wire = {bucket_dtype(d, self.keep_dtype) for d in self.dtypes}
+        if self.codec.lossless and self.codec.name == "none":
+            return
+        if self.keep_dtype:
+            raise ValueError(f"keep_dtype needs codec 'none' (codec {self.codec.name!r} encodes fp32)")
+        if torch.float64 in wire:
+            raise ValueError(f"codec {self.codec.name!r} encodes fp32 and would cut the precision of the "
+                             f"fp64 tensors (at {[i for i, d in enumerate(self.dtypes) if d == torch.float64]}): "
+                             "use codec 'none' for fp64, or cast the model")
 
     # ---- layout ----
     def _layout(self, numels: list[int]) -> list[_Bucket]:
-        cap = max(1, int(self.bucket_mb * 2**20) // 4)
         world = self.transport.size
         buckets: list[_Bucket] = []
         segs: list[Segment] = []
-        fill = 0
+        fill, cur = 0, None
 
         def close() -> None:
             nonlocal segs, fill
             if fill:
                 # NOTE: a multiple of world * align: the two-hop chunks need no padded copy
-                padded = _chunk_numel(fill, world, self.codec) * world if world > 1 else fill
-                buckets.append(_Bucket(fill, padded, segs, self.device))
+                padded = chunk_numel(fill, world, self.codec) * world if world > 1 else fill
+                buckets.append(_Bucket(fill, padded, cur, segs))
             segs, fill = [], 0
 
         for i, n in enumerate(numels):
+            dt = bucket_dtype(self.dtypes[i], self.keep_dtype)
+            if dt != cur:
+                close()
+                cur = dt
+            cap = max(1, int(self.bucket_mb * 2**20) // 4)
             off = 0
             while off < n:
                 take = min(n - off, cap - fill)
@@ -157,11 +190,11 @@ class BucketedAllReduce:
                 if fill == cap:
                     close()
         close()
-        for b in buckets:
-            if self.error_feedback:
-                b.residual = torch.zeros(b.padded, dtype=torch.float32, device=self.device)
-            if not self.codec.lossless and world > 1:
-                b.plan = TwoHopPlan(self.transport, b.padded, self.codec, self.op, self.device)
+        if self.error_feedback:
+            home = torch.device("cpu") if self.offload else self.device
+            pin = self.offload and self.device.type == "cuda"
+            for b in buckets:
+                b.residual = torch.zeros(b.padded, dtype=self.residual_dtype, device=home, pin_memory=pin)
         return buckets
 
     @property
@@ -176,6 +209,18 @@ class BucketedAllReduce:
     def layout(self) -> list[list[Segment]]:
         """The segments of each bucket."""
         return [list(b.segments) for b in self._buckets]
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes held: ``staging`` (slot buffers and two-hop plans) and ``residual``."""
+        staging = 0
+        for s in self._slots:
+            for t in (s.flat, s.residual):
+                if t is not None:
+                    staging += t.numel() * t.element_size()
+            for p in s.plans.values():
+                staging += p.nbytes()
+        res = sum(b.residual.numel() * b.residual.element_size() for b in self._buckets if b.residual is not None)
+        return {"staging": staging, "residual": res}
 
     def _check(self, tensors: list[Tensor], what: str) -> None:
         dev = None
@@ -192,11 +237,14 @@ class BucketedAllReduce:
                 raise ValueError(f"{what} must all be on one device, got {dev} and {t.device} (at {i})")
 
     # ---- exchange ----
-    def start(self, tensors: list[Tensor] | None = None) -> BucketWork:
-        """Start reducing ``tensors`` (default: the constructor's; same shapes and order);
-        returns a :class:`BucketWork` whose ``wait()`` writes the results back into them."""
-        if self._inflight is not None:
-            raise RuntimeError("a previous start() is still in flight: wait() on its BucketWork first")
+    def start(self, tensors: list[Tensor] | None = None, *, pack: PackFn | None = None,
+              unpack: PackFn | None = None, name: str = "bucketed all-reduce") -> Job:
+        """Start reducing ``tensors`` (default: the constructor's; same shapes and order) in the
+        engine; returns the job, whose ``wait()`` returns the tensors holding the results. The
+        tensors must not be touched before that. ``pack`` / ``unpack`` replace the default
+        copies between the tensors and a bucket's flat buffer."""
+        if self._inflight is not None and not self._inflight.waited:
+            raise RuntimeError("a previous start() is still in flight: wait() on its job first")
         if tensors is None:
             tensors = self._tensors
         else:
@@ -207,82 +255,114 @@ class BucketedAllReduce:
                 raise ValueError(f"tensors must have the layout's shapes {self.shapes}, got {shapes}")
             if tensors[0].device != self.device:
                 raise ValueError(f"tensors must be on {self.device}, got {tensors[0].device}")
-        event = None
-        if self._stream is not None:
-            caller = torch.cuda.current_stream(self.device)
-            self._stream.wait_stream(caller)
+        if self.engine.stream is not None:
             for t in tensors:
-                t.record_stream(self._stream)  # NOTE: read on the side stream: keep them alive
-            with torch.cuda.stream(self._stream):
-                self._issue(tensors)
-                self._hop2()
-                for b in self._buckets:
-                    self._hop3(b, None)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-        else:
-            self._issue(tensors)
-        work = BucketWork(self, tensors, event)
-        self._inflight = work
-        return work
+                t.record_stream(self.engine.stream)  # NOTE: used on the comm stream: keep alive
+        pk = pack or (lambda segs, flat: self._copy(tensors, segs, flat, into_bucket=True))
+        up = unpack or (lambda segs, flat: self._copy(tensors, segs, flat, into_bucket=False))
 
-    def _pack(self, b: _Bucket, tensors: list[Tensor]) -> None:
-        for s in b.segments:
-            src = tensors[s.index].view(-1)[s.tensor_offset: s.tensor_offset + s.length]
-            b.flat[s.bucket_offset: s.bucket_offset + s.length].copy_(src)
+        def run(job: Job) -> list[Tensor]:
+            self.run_pipeline(job, pk, up)
+            return tensors
 
-    def _unpack(self, b: _Bucket, tensors: list[Tensor]) -> None:
-        for s in b.segments:
-            dst = tensors[s.index].view(-1)[s.tensor_offset: s.tensor_offset + s.length]
-            dst.copy_(b.flat[s.bucket_offset: s.bucket_offset + s.length])
+        self._inflight = self.engine.submit(run, name)
+        return self._inflight
 
-    def _issue(self, tensors: list[Tensor]) -> None:
-        world = self.transport.size
-        for b in self._buckets:
-            self._pack(b, tensors)
-            if world == 1:
-                continue
-            if b.plan is None:  # lossless: the transport's own fp32 all-reduce
-                if b.residual is not None:
-                    b.flat.add_(b.residual)
-                    b.residual.zero_()
-                w = self.transport.all_reduce(b.flat, self.op, async_op=True)
-                assert isinstance(w, Work)
-                b.work = w
+    @staticmethod
+    def _copy(tensors: list[Tensor], segs: list[Segment], flat: Tensor, into_bucket: bool) -> None:
+        for s in segs:
+            t = tensors[s.index].view(-1)[s.tensor_offset: s.tensor_offset + s.length]
+            b = flat[s.bucket_offset: s.bucket_offset + s.length]
+            if into_bucket:
+                b.copy_(t)
             else:
-                b.plan.first(b.flat, b.residual)
+                t.copy_(b)
 
-    def _hop2(self, timeout: timedelta | float | None = None) -> None:
-        for b in self._buckets:
-            if b.plan is not None and b.plan._state == "first":
-                b.plan.second(timeout)
+    def run_pipeline(self, job: Job, pack: PackFn, unpack: PackFn) -> None:
+        """The pipeline of the module docstring, on the calling thread (the engine's)."""
+        nb = len(self._buckets)
+        for k in range(nb):
+            if k >= 2:
+                self._finish(job, k - 2, unpack)
+            self._issue(job, k, pack)
+            if k >= 1:
+                self._middle(job, k - 1)
+        if nb:
+            self._middle(job, nb - 1)
+        for k in range(max(0, nb - 2), nb):
+            self._finish(job, k, unpack)
 
-    def _hop3(self, b: _Bucket, timeout: timedelta | float | None) -> None:
-        if b.plan is not None and b.plan._state == "second":
-            b.plan.third(timeout)
-        elif b.work is not None:
-            b.work.wait(timeout)
-            b.work = None
+    def _slot_flat(self, slot: _Slot, b: _Bucket) -> Tensor:
+        nbytes = b.padded * torch.empty((), dtype=b.dtype).element_size()
+        if slot.flat is None or slot.flat.numel() < nbytes:
+            slot.flat = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        flat = slot.flat[:nbytes].view(b.dtype)
+        if b.padded > b.numel:
+            flat[b.numel:].zero_()
+        return flat
 
-    def _finish(self, work: BucketWork, timeout: timedelta | float | None) -> None:
+    def _issue(self, job: Job, k: int, pack: PackFn) -> None:
+        b, slot = self._buckets[k], self._slots[k % 2]
+        job.stage = f"bucket {k}/{len(self._buckets)}: pack, encode, hop 1"
+        flat = self._slot_flat(slot, b)
+        pack(b.segments, flat[: b.numel])
+        res = self._stage_residual(slot, b)
+        if self.codec.lossless or self.transport.size == 1:
+            slot.work = lossless_all_reduce(self.transport, flat, res, self.op)
+            slot.plan = None
+            self._unstage_residual(slot, b)
+            return
+        key = (b.padded, b.dtype)
+        if key not in slot.plans:
+            slot.plans[key] = TwoHopPlan(self.transport, b.padded, self.codec, self.op, self.device)
+        slot.plan = slot.plans[key]
+        slot.plan.first(flat, res)
+
+    def _stage_residual(self, slot: _Slot, b: _Bucket) -> Tensor | None:
+        """The bucket's fp32 residual on the device (offload or bf16: staged in the slot)."""
+        if b.residual is None or (b.residual.device == self.device and b.residual.dtype == torch.float32):
+            return b.residual
+        if slot.residual is None or slot.residual.numel() < b.padded:
+            slot.residual = torch.empty(b.padded, dtype=torch.float32, device=self.device)
+        dev = slot.residual[: b.padded]
+        dev.copy_(b.residual, non_blocking=True)
+        return dev
+
+    def _unstage_residual(self, slot: _Slot, b: _Bucket) -> None:
+        # NOTE: the residual is final once the reduced chunk was re-encoded (hop 2 issued)
+        if b.residual is not None and slot.residual is not None and b.residual is not slot.residual:
+            b.residual.copy_(slot.residual[: b.padded])
+
+    def _middle(self, job: Job, k: int) -> None:
+        slot = self._slots[k % 2]
+        if slot.plan is not None:
+            job.stage = f"bucket {k}/{len(self._buckets)}: reduce, re-encode, hop 2"
+            slot.plan.second()
+            self._unstage_residual(slot, self._buckets[k])
+
+    def _finish(self, job: Job, k: int, unpack: PackFn) -> None:
+        b, slot = self._buckets[k], self._slots[k % 2]
+        job.stage = f"bucket {k}/{len(self._buckets)}: wait, decode, unpack"
         try:
-            if work._event is not None:
-                caller = torch.cuda.current_stream(self.device)
-                caller.wait_event(work._event)
-            else:
-                self._hop2(timeout)
-                for b in self._buckets:
-                    self._hop3(b, timeout)
-            for b in self._buckets:
-                self._unpack(b, work._tensors)
+            if slot.plan is not None:
+                slot.plan.finish()
+            elif slot.work is not None:
+                slot.work.wait()
         except BaseException:
-            for b in self._buckets:
-                if b.plan is not None:
-                    b.plan.abort()
-                b.work = None
+            for s in self._slots:
+                if s.plan is not None:
+                    s.plan.abort()
+                s.work = s.plan = None
             raise
+        slot.work = None
+        flat = slot.flat[: b.padded * torch.empty((), dtype=b.dtype).element_size()].view(b.dtype)
+        unpack(b.segments, flat[: b.numel])
 
     # ---- error-feedback state ----
+    def residuals(self) -> list[Tensor | None]:
+        """The error-feedback residual of each bucket (padded; None without error feedback)."""
+        return [b.residual for b in self._buckets]
+
     def state_dict(self) -> dict[str, Any]:
         """The error-feedback residuals (one fp32 tensor per bucket) and the layout they belong to."""
         return {
@@ -310,6 +390,7 @@ class BucketedAllReduce:
                 continue
             if b.residual is None:
                 raise ValueError("state dict holds residuals but error_feedback is off")
-            if r.shape != b.residual.shape:
-                raise ValueError(f"residual {i} has shape {tuple(r.shape)}, expected {tuple(b.residual.shape)}")
+            if r.shape != b.residual.shape or r.dtype != b.residual.dtype:
+                raise ValueError(f"residual {i} is {tuple(r.shape)} {r.dtype}, expected "
+                                 f"{tuple(b.residual.shape)} {b.residual.dtype}")
             b.residual.copy_(r)

@@ -36,10 +36,11 @@ from flcomm.codecs import Codec, get_codec
 from flcomm.comm.base import ReduceOp, Transport, Work
 from flcomm.kernels import check_fp32
 
-__all__ = ["CompressedWork", "TwoHopPlan", "compressed_all_reduce", "compressed_wire_bytes"]
+__all__ = ["CompressedWork", "TwoHopPlan", "chunk_numel", "compressed_all_reduce", "compressed_wire_bytes",
+           "lossless_all_reduce", "parse_sum_avg"]
 
 
-def _chunk_numel(numel: int, world: int, codec: Codec) -> int:
+def chunk_numel(numel: int, world: int, codec: Codec) -> int:
     """Per-rank chunk: ceil(numel / world) rounded up to the codec's alignment."""
     c = -(-numel // world)
     a = max(1, codec.align_numel)
@@ -54,11 +55,12 @@ def compressed_wire_bytes(numel: int, world: int, codec: str | Codec = "int8") -
         return 0
     if codec.lossless:
         return 2 * (world - 1) * 4 * numel // world
-    e = codec.encoded_nbytes(_chunk_numel(numel, world, codec))
+    e = codec.encoded_nbytes(chunk_numel(numel, world, codec))
     return 2 * (world - 1) * e
 
 
-def _parse_op(op: Any) -> ReduceOp:
+def parse_sum_avg(op: Any) -> ReduceOp:
+    """The ReduceOp of ``op``; ValueError unless it is sum or avg."""
     rop = ReduceOp.parse(op)
     if rop not in (ReduceOp.SUM, ReduceOp.AVG):
         raise ValueError(f"compressed all-reduce supports only sum and avg, got {rop.value}")
@@ -77,17 +79,36 @@ class TwoHopPlan:
         self.transport, self.codec, self.op = transport, codec, op
         self.world, self.rank = transport.size, transport.rank
         self.numel = numel
-        self.chunk = _chunk_numel(numel, self.world, codec)
+        self.chunk = chunk_numel(numel, self.world, codec)
         self.padded_numel = self.chunk * self.world
         self.enc = codec.encoded_nbytes(self.chunk)
         W, E = self.world, self.enc
         self.send = torch.empty(W * E, dtype=torch.uint8, device=device)
         self.recv = torch.empty(W * E, dtype=torch.uint8, device=device)
-        self.gathered = torch.empty(W * E, dtype=torch.uint8, device=device)
+        # NOTE: the all-gather lands in the receive buffer: its contents are consumed (reduced
+        # into ``acc``) before the all-gather is issued
+        self.gathered = self.recv
         self.acc = torch.empty(self.chunk, dtype=torch.float32, device=device)
         self._pad_x: Tensor | None = None
         self._pad_r: Tensor | None = None
         self._state = "idle"
+
+    def nbytes(self) -> int:
+        """Bytes of the plan's own buffers."""
+        bufs = [self.send, self.recv, self.acc, self._pad_x, self._pad_r]
+        return sum(b.numel() * b.element_size() for b in bufs if b is not None)
+
+    @property
+    def stage(self) -> str:
+        """``"idle"``, ``"first"`` (all-to-all in flight) or ``"second"`` (all-gather in flight)."""
+        return self._state
+
+    def finish(self, timeout: timedelta | float | None = None) -> None:
+        """Run the stages still to run (``second()`` if needed, then ``third()``)."""
+        if self._state == "first":
+            self.second(timeout)
+        if self._state == "second":
+            self.third(timeout)
 
     def _padded(self, attr: str, src: Tensor) -> Tensor:
         buf = getattr(self, attr)
@@ -192,15 +213,28 @@ class CompressedWork:
                 self._inner.wait(timeout)
             else:
                 assert self._plan is not None
-                if self._plan._state == "first":
-                    self._plan.second(timeout)
-                self._plan.third(timeout)
+                self._plan.finish(timeout)
         except BaseException:
             if self._plan is not None:
                 self._plan.abort()
             raise
         self._done = True
         return self.result
+
+
+def lossless_all_reduce(transport: Transport, tensor: Tensor, residual: Tensor | None,
+                        op: ReduceOp) -> Work | None:
+    """The lossless path: fold the residual (if any) into ``tensor`` and zero it, then issue the
+    transport's own all-reduce asynchronously (None when the group has one rank)."""
+    # NOTE: nothing is lost, so the residual (if any) is folded in and becomes zero.
+    if residual is not None:
+        tensor.add_(residual)
+        residual.zero_()
+    if transport.size == 1:
+        return None
+    w = transport.all_reduce(tensor, op, async_op=True)
+    assert isinstance(w, Work)
+    return w
 
 
 def _check_inputs(transport: Transport, tensor: Tensor, residual: Tensor | None) -> None:
@@ -233,17 +267,12 @@ def compressed_all_reduce(transport: Transport, tensor: Tensor, codec: str | Cod
     Codec ``none`` is the transport's own fp32 all-reduce (nothing to quantize).
     """
     codec = get_codec(codec)
-    rop = _parse_op(op)
+    rop = parse_sum_avg(op)
     _check_inputs(transport, tensor, residual)
     if codec.lossless or transport.size == 1:
-        # NOTE: nothing is lost, so the residual (if any) is folded in and becomes zero.
-        if residual is not None:
-            tensor.add_(residual)
-            residual.zero_()
-        if transport.size == 1:
+        w = lossless_all_reduce(transport, tensor, residual, rop)
+        if w is None:
             return CompressedWork(None, tensor) if async_op else tensor
-        w = transport.all_reduce(tensor, rop, async_op=True)
-        assert isinstance(w, Work)
         return CompressedWork(None, tensor, inner=w) if async_op else w.wait()
     plan = TwoHopPlan(transport, tensor.numel(), codec, rop, tensor.device)
     plan.first(tensor.view(-1), None if residual is None else residual.view(-1))

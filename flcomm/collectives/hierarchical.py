@@ -32,11 +32,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flcomm.comm.base import ReduceOp, Transport, Work, check_pair
+from flcomm.comm.base import ReduceOp, Transport, Work, check_op, check_pair
+from flcomm.comm.engine import Job, get_engine
 
 __all__ = [
     "Hierarchy",
-    "HierarchicalWork",
     "hierarchical_all_gather",
     "hierarchical_all_reduce",
     "hierarchical_reduce_scatter",
@@ -92,33 +92,25 @@ def shard_transpose(input: Tensor, rows: int, cols: int, out: Tensor | None = No
     return out
 
 
-class HierarchicalWork:
-    """Handle of an asynchronous hierarchical collective.
+def _two_stage(run: "Callable[[Job], Tensor]", name: str, output: Tensor, input: Tensor,
+               async_op: bool, intra: Transport, inter: Transport) -> Tensor | Job:
+    """Run a two-stage collective as one job of the ``"hierarchical"`` engine lane.
 
-    The first stage is in flight when the handle is returned; ``wait()`` waits for it, then runs
-    the rest (reorder and second stage). NOTE: the second stage needs the first one's result
-    and, on gloo, nothing orders two collectives on different process groups except the host, so
-    it is issued from ``wait()``. Every rank of a group runs the same program, so the order of
-    collectives stays the same on all of them.
+    NOTE: the second stage needs the first one's result and, on gloo, nothing orders two
+    collectives on different process groups except the host; in the engine both stages advance
+    without the caller's ``wait()``. Every hierarchical collective with two stages goes through
+    the lane (also the blocking ones), so the intra/inter transports see their collectives in
+    program order on every rank.
     """
-
-    def __init__(self, first: Work, finish: Callable[[], None], result: Tensor) -> None:
-        self._first = first
-        self._finish = finish
-        self._done = False
-        self.result = result
-
-    def is_completed(self) -> bool:
-        """True once ``wait()`` has run both stages (the second one only starts there)."""
-        return self._done
-
-    def wait(self, timeout: timedelta | float | None = None) -> Tensor:
-        """Wait for both stages; returns the output tensor."""
-        if not self._done:
-            self._first.wait(timeout)
-            self._finish()
-            self._done = True
-        return self.result
+    engine = get_engine(output.device, "hierarchical")
+    if engine.stream is not None:
+        for t in (output, input):
+            t.record_stream(engine.stream)
+    job = engine.submit(run, name)
+    if async_op:
+        return job
+    job.wait(intra.timeout + inter.timeout)  # NOTE: each stage is bounded by its own
+    return output
 
 
 def _check_hierarchy(intra: Transport, inter: Transport) -> tuple[int, int]:
@@ -129,7 +121,7 @@ def _check_hierarchy(intra: Transport, inter: Transport) -> tuple[int, int]:
 
 
 def hierarchical_reduce_scatter(output: Tensor, input: Tensor, intra: Transport, inter: Transport,
-                                op: Any = ReduceOp.SUM, async_op: bool = False) -> Tensor | Work | HierarchicalWork:
+                                op: Any = ReduceOp.SUM, async_op: bool = False) -> Tensor | Work | Job:
     """Reduce-scatter over the N x L group described by ``intra`` / ``inter``; same result and
     layout as a flat reduce-scatter over all P = N L ranks.
 
@@ -152,6 +144,7 @@ def hierarchical_reduce_scatter(output: Tensor, input: Tensor, intra: Transport,
                          f"{P} x output elements ({P} x {output.numel()} = {P * output.numel()}), got "
                          f"{input.numel()} (pad the input to a multiple of {P})")
     check_pair("hierarchical reduce_scatter", output, input, input.numel() // P)
+    check_op(op, input)  # NOTE: before launch: an error inside the engine would stop its lane
     if P == 1:
         output.copy_(input)
         return output
@@ -159,21 +152,21 @@ def hierarchical_reduce_scatter(output: Tensor, input: Tensor, intra: Transport,
         return intra.reduce_scatter(output, input, op, async_op=async_op)
     if L == 1:
         return inter.reduce_scatter(output, input, op, async_op=async_op)
-    local_major = shard_transpose(input.view(-1), N, L)
-    block = torch.empty(N * output.numel(), dtype=output.dtype, device=output.device)
-    first = intra.reduce_scatter(block, local_major, op, async_op=async_op)
 
-    def finish() -> None:
+    def run(job: Job) -> Tensor:
+        job.stage = "reorder, intra-node reduce-scatter"
+        local_major = shard_transpose(input.view(-1), N, L)
+        block = torch.empty(N * output.numel(), dtype=output.dtype, device=output.device)
+        intra.reduce_scatter(block, local_major, op)
+        job.stage = "inter-node reduce-scatter"
         inter.reduce_scatter(output.view(-1), block, op)
-
-    if not async_op:
-        finish()
         return output
-    return HierarchicalWork(first, finish, output)
+
+    return _two_stage(run, "hierarchical reduce-scatter", output, input, async_op, intra, inter)
 
 
 def hierarchical_all_gather(output: Tensor, input: Tensor, intra: Transport, inter: Transport,
-                            async_op: bool = False) -> Tensor | Work | HierarchicalWork:
+                            async_op: bool = False) -> Tensor | Work | Job:
     """All-gather over the N x L group described by ``intra`` / ``inter``; same layout as a flat
     all-gather over all P = N L ranks (chunk r of the output from group rank r).
 
@@ -198,18 +191,18 @@ def hierarchical_all_gather(output: Tensor, input: Tensor, intra: Transport, int
         return intra.all_gather(output, input, async_op=async_op)
     if L == 1:
         return inter.all_gather(output, input, async_op=async_op)
-    block = torch.empty(N * input.numel(), dtype=input.dtype, device=input.device)
-    first = inter.all_gather(block, input.view(-1), async_op=async_op)
 
-    def finish() -> None:
+    def run(job: Job) -> Tensor:
+        job.stage = "inter-node all-gather"
+        block = torch.empty(N * input.numel(), dtype=input.dtype, device=input.device)
+        inter.all_gather(block, input.view(-1))
+        job.stage = "intra-node all-gather, reorder"
         local_major = torch.empty(P * input.numel(), dtype=input.dtype, device=input.device)
         intra.all_gather(local_major, block)
         shard_transpose(local_major, L, N, out=output.view(-1))
-
-    if not async_op:
-        finish()
         return output
-    return HierarchicalWork(first, finish, output)
+
+    return _two_stage(run, "hierarchical all-gather", output, input, async_op, intra, inter)
 
 
 def hierarchical_all_reduce(tensor: Tensor, intra: Transport, inter: Transport,
@@ -266,10 +259,10 @@ class Hierarchy:
         return self.inter.rank * self.intra.size + self.intra.rank
 
     def reduce_scatter(self, output: Tensor, input: Tensor, op: Any = ReduceOp.SUM,
-                       async_op: bool = False) -> Tensor | Work | HierarchicalWork:
+                       async_op: bool = False) -> Tensor | Work | Job:
         return hierarchical_reduce_scatter(output, input, self.intra, self.inter, op, async_op)
 
-    def all_gather(self, output: Tensor, input: Tensor, async_op: bool = False) -> Tensor | Work | HierarchicalWork:
+    def all_gather(self, output: Tensor, input: Tensor, async_op: bool = False) -> Tensor | Work | Job:
         return hierarchical_all_gather(output, input, self.intra, self.inter, async_op)
 
     def all_reduce(self, tensor: Tensor, op: Any = ReduceOp.SUM) -> Tensor:

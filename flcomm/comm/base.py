@@ -227,6 +227,12 @@ def check_tensor(name: str, t: Tensor, device: torch.device | None = None) -> No
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
+def check_op(op: ReduceOp, t: Tensor) -> None:
+    """ValueError when ``op`` cannot reduce ``t`` (avg needs a floating dtype)."""
+    if op is ReduceOp.AVG and not t.is_floating_point():
+        raise ValueError(f"avg needs a floating dtype, got {t.dtype}")
+
+
 def check_pair(collective: str, output: Tensor, input: Tensor, out_numel: int) -> None:
     """Same dtype and device, contiguous, and ``output.numel() == out_numel``."""
     check_tensor("input", input)
@@ -318,8 +324,7 @@ class Transport(ABC):
 
     # ---- helpers ----
     def _check_op(self, op: ReduceOp, t: Tensor) -> None:
-        if op is ReduceOp.AVG and not t.is_floating_point():
-            raise ValueError(f"avg needs a floating dtype, got {t.dtype}")
+        check_op(op, t)
 
     def _run(self, collective: str, nbytes: int, issue: Callable[[], Any], result: Tensor,
              async_op: bool) -> Work | Tensor:

@@ -1,128 +1,180 @@
-"""The inter-group exchange of the FedAvg synchronizer: average a fixed list of fp32 tensors
-over the "fed" transport, asynchronously, bucketed and optionally compressed.
+"""The inter-group exchange of the FedAvg synchronizer, bucket by bucket, in the progress engine.
 
-The work is done by :class:`flcomm.collectives.bucketing.BucketedAllReduce` (persistent flat
-buckets, per-bucket pipelining, codecs, error feedback). When that module cannot be imported,
-codec ``"none"`` falls back to one asynchronous ``transport.all_reduce(op="avg")`` on a flat
-buffer (the tensors are views into it, so nothing is copied); any other codec then raises.
+The buffers a sync needs at full size are only those the algorithm keeps across steps (the
+anchor, the outer momentum, the error-feedback residual, and under overlap the own delta); the
+deltas are computed and the average applied per bucket, in the bucket's staging buffer
+(:class:`~flcomm.collectives.bucketing.BucketedAllReduce`).
+
+Modes (what a bucket's ``pack`` writes and its ``unpack`` does with the average):
+
+* ``in_place`` (the paper's mode: codec none, plain average, no overlap, no error feedback):
+  pack the local shard itself, in its own dtype; unpack writes the average back. No anchor.
+* delta, no overlap: pack ``local - anchor``; unpack ``disp = outer(mean)``, ``anchor += disp``,
+  ``local = anchor``.
+* delta, overlap: ``own = local - anchor`` is taken when the sync starts (the local shard keeps
+  training meanwhile); pack ``own``; unpack ``anchor += disp`` and ``own = disp - own``, the
+  correction that the apply step adds to the local shard: ``local += new_anchor - old_anchor -
+  own``.
+
+A bucket whose average is not finite is not applied; :attr:`ExchangeResult.bad_buckets` lists it.
+
+Offload: the anchors, own deltas, momentum and residuals may live in host memory (pinned on
+CUDA); each bucket's pieces are then staged through the device while it is packed or applied,
+so the device holds two buckets beyond the model.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from flcomm.codecs import Codec, get_codec
+from flcomm.collectives.bucketing import BucketedAllReduce, Segment, bucket_dtype
+
 if TYPE_CHECKING:
     from flcomm.comm.base import Transport
+    from flcomm.comm.engine import Job
+    from flcomm.federated.outer import OuterOptimizer
+
+__all__ = ["DeltaExchange", "ExchangeResult", "flat_views", "resolve_codec"]
 
 
-class _Waitable(Protocol):
-    def wait(self, timeout: timedelta | float | None = None) -> Any: ...
-
-    def is_completed(self) -> bool: ...
-
-
-def known_codecs() -> tuple[str, ...]:
-    try:
-        from flcomm.codecs import CODECS
-    except ImportError:
-        return ("none",)
-    return tuple(CODECS)
+def resolve_codec(codec: str | Codec) -> Codec:
+    """The codec object for a name or a :class:`~flcomm.codecs.Codec` (kept as given, so its
+    block size survives); ValueError naming the known codecs otherwise."""
+    return get_codec(codec)
 
 
-def check_codec(codec: str) -> str:
-    """The codec's registry name; ValueError naming the known ones otherwise."""
-    if not isinstance(codec, str):
-        name = getattr(codec, "name", None)
-        if isinstance(name, str) and name:
-            return check_codec(name)
-        raise ValueError(f"codec must be a codec name, one of {known_codecs()}, got {codec!r}")
-    try:
-        from flcomm.codecs import get_codec
-    except ImportError:
-        if codec != "none":
-            raise ValueError(f"codec must be one of {known_codecs()} (flcomm.codecs is unavailable), "
-                             f"got {codec!r}") from None
-        return codec
-    return get_codec(codec).name  # raises ValueError listing the known ones
+@dataclass
+class ExchangeResult:
+    """What one exchange did: ``bad_buckets`` had a non-finite average and were not applied."""
 
-
-class _FlatAverage:
-    """Fallback: one async AVG all-reduce of the flat buffer the tensors are views of."""
-
-    def __init__(self, transport: "Transport", flat: Tensor) -> None:
-        self.transport, self.flat = transport, flat
-
-    def start(self) -> _Waitable:
-        return self.transport.all_reduce(self.flat, op="avg", async_op=True)
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, sd: dict) -> None:
-        if sd:
-            raise ValueError(f"the plain exchange has no state, got keys {sorted(sd)}")
+    bad_buckets: list[int] = field(default_factory=list)
 
 
 class DeltaExchange:
-    """Averages ``tensors`` (fp32 views of ``flat``) across the ranks of ``transport``.
+    """Averages a rank's shards over ``transport`` (module docstring).
 
-    ``start()`` returns a handle; its ``wait()`` leaves the average in the tensors.
-    ``backend`` says which implementation runs ("bucketed" or "flat").
+    Args:
+        transport: the fed group.
+        tensors: the local shards (their shapes and dtypes define the layout).
+        codec, bucket_mb, error_feedback: of the :class:`BucketedAllReduce`.
+        in_place: the paper's mode (no anchor; buckets in the tensors' own dtypes).
+        anchors: the anchor of each tensor (delta modes).
+        own: per tensor, the own delta / pending correction (overlap), else None.
+        outer: the outer optimizer; ``momentum_index[i]`` is tensor i's momentum buffer (or None:
+            buffers and non-parameters take the plain average).
     """
 
-    def __init__(self, transport: "Transport", flat: Tensor, tensors: list[Tensor], codec: str,
-                 bucket_mb: float, error_feedback: bool) -> None:
-        self.codec = codec
-        self.error_feedback = error_feedback
-        try:
-            from flcomm.collectives.bucketing import BucketedAllReduce
-        except ImportError as e:
-            if codec != "none" or error_feedback:
-                raise RuntimeError(f"codec {codec!r} (error_feedback={error_feedback}) needs "
-                                   f"flcomm.collectives.bucketing, which cannot be imported: {e}") from e
-            self.backend = "flat"
-            self._impl: Any = _FlatAverage(transport, flat)
-            return
-        self.backend = "bucketed"
-        self._impl = BucketedAllReduce(transport, tensors, codec=codec, bucket_mb=bucket_mb,
-                                       error_feedback=error_feedback, op="avg")
+    def __init__(self, transport: "Transport", tensors: list[Tensor], *, codec: Codec, bucket_mb: float,
+                 error_feedback: bool, in_place: bool, anchors: list[Tensor] | None = None,
+                 own: list[Tensor] | None = None, outer: "OuterOptimizer | None" = None,
+                 momentum_index: list[int | None] | None = None, offload: bool = False,
+                 residual_dtype: torch.dtype = torch.float32, staging: list | None = None) -> None:
+        self.codec, self.in_place = codec, in_place
+        self.anchors, self.own, self.outer = anchors, own, outer
+        self.momentum_index = momentum_index or [None] * len(tensors)
+        if not in_place and anchors is None:
+            raise ValueError("the delta modes need the anchors")
+        self.bar = BucketedAllReduce(transport, tensors, codec=codec, bucket_mb=bucket_mb,
+                                     error_feedback=error_feedback, op="avg", keep_dtype=in_place,
+                                     offload=offload, residual_dtype=residual_dtype, staging=staging)
 
-    def start(self) -> _Waitable:
-        return self._impl.start()
+    @property
+    def work_dtypes(self) -> list[torch.dtype]:
+        return [bucket_dtype(d, self.in_place) for d in self.bar.dtypes]
 
+    def run(self, job: "Job", locals_: list[Tensor]) -> ExchangeResult:
+        """One exchange on the engine's thread (``job`` names the stages); ``locals_`` are the
+        local shards as of the sync (read unless overlapping, written unless overlapping)."""
+        result = ExchangeResult()
+        bucket = [0]
+
+        def unpack(segs: list[Segment], flat: Tensor) -> None:
+            k = bucket[0]
+            bucket[0] += 1
+            if not bool(torch.isfinite(flat).all()):
+                result.bad_buckets.append(k)
+                return
+            self._unpack(segs, flat, locals_)
+
+        self.bar.run_pipeline(job, lambda segs, flat: self._pack(segs, flat, locals_), unpack)
+        return result
+
+    @staticmethod
+    def _piece(t: Tensor, s: Segment) -> Tensor:
+        return t.view(-1)[s.tensor_offset: s.tensor_offset + s.length]
+
+    @staticmethod
+    def _on(piece: Tensor, device: torch.device) -> Tensor:
+        """``piece`` on ``device`` (a staged copy when it lives elsewhere: offload)."""
+        return piece if piece.device == device else piece.to(device, non_blocking=True)
+
+    @staticmethod
+    def _back(home: Tensor, staged: Tensor) -> None:
+        if staged is not home:
+            home.copy_(staged)
+
+    def _pack(self, segs: list[Segment], flat: Tensor, locals_: list[Tensor]) -> None:
+        for s in segs:
+            out = flat[s.bucket_offset: s.bucket_offset + s.length]
+            if self.own is not None:
+                out.copy_(self._piece(self.own[s.index], s))
+                continue
+            out.copy_(self._piece(locals_[s.index], s))
+            if not self.in_place:
+                out.sub_(self._on(self._piece(self.anchors[s.index], s), out.device))
+
+    def _unpack(self, segs: list[Segment], flat: Tensor, locals_: list[Tensor]) -> None:
+        for s in segs:
+            mean = flat[s.bucket_offset: s.bucket_offset + s.length]
+            local = self._piece(locals_[s.index], s)
+            if self.in_place:
+                local.copy_(mean)
+                continue
+            dev = mean.device
+            m = self.momentum_index[s.index]
+            disp = mean
+            if m is not None:
+                home = self._piece(self.outer.buffers[m], s)
+                buf = self._on(home, dev)
+                disp = self.outer.piece_(mean, buf)
+                self._back(home, buf)
+            home = self._piece(self.anchors[s.index], s)
+            anchor = self._on(home, dev)
+            anchor.add_(disp)
+            self._back(home, anchor)
+            if self.own is None:
+                local.copy_(anchor)
+            else:
+                home = self._piece(self.own[s.index], s)
+                own = self._on(home, dev)
+                own.neg_().add_(disp)
+                self._back(home, own)
+
+    # ---- state ----
     def state_dict(self) -> dict:
-        return self._impl.state_dict()
+        return self.bar.state_dict()
 
     def load_state_dict(self, sd: dict) -> None:
-        self._impl.load_state_dict(sd)
+        self.bar.load_state_dict(sd)
+
+    def memory_bytes(self) -> dict[str, int]:
+        return self.bar.memory_bytes()
 
     @torch.no_grad()
-    def sanitize(self) -> None:
-        """Zero the non-finite entries of the error-feedback state (after a refused round, whose
-        NaN/Inf the residuals would otherwise carry into every later round)."""
-        sd = self.state_dict()
+    def sanitize(self) -> bool:
+        """Zero the non-finite entries of the error-feedback residuals (after a refused round,
+        whose NaN/Inf they would otherwise carry into every later round); True if any."""
         found = False
-
-        def walk(x: Any) -> None:
-            nonlocal found
-            if isinstance(x, Tensor) and x.is_floating_point():
-                if not bool(torch.isfinite(x).all()):
-                    x.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-                    found = True
-            elif isinstance(x, dict):
-                for v in x.values():
-                    walk(v)
-            elif isinstance(x, (list, tuple)):
-                for v in x:
-                    walk(v)
-
-        walk(sd)
-        if found:
-            self.load_state_dict(sd)
+        for r in self.bar.residuals():
+            if r is not None and not bool(torch.isfinite(r).all()):
+                r.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+                found = True
+        return found
 
 
 def flat_views(flat: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
@@ -135,3 +187,4 @@ def flat_views(flat: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
         out.append(flat[off:off + n].view(s))
         off += n
     return out
+

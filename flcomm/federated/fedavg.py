@@ -12,47 +12,70 @@ rank averages its local shard with the ranks holding the same shard in the other
 
 (or ``fed.attach(optimizer)`` once, instead of calling ``fed.step()``).
 
-Algorithm of one sync (at local steps E, 2E, ...):
+Algorithm of one sync (at local steps E, 2E, ...); steps 1-2 on the caller's thread, 3-5 as one
+job of the progress engine (:mod:`flcomm.comm.engine`), bucket by bucket
+(:mod:`flcomm.federated.exchange`):
 
-1. ``delta = local - anchor`` for every averaged tensor (fp32), where ``anchor`` is the tensor
-   as of the last sync (deltas compress far better than weights, and give the same average).
+1. Flag whether this rank's shard is finite. With overlap, take ``own = local - anchor`` (the
+   local shard keeps training while the exchange runs).
 2. Inner optimizer state: ``keep`` (the paper), ``average`` (its floating tensors averaged over
    the fed group, uncompressed, blocking) or ``reset`` (cleared, as if new).
-3. Start the exchange: ``mean(delta)`` over the fed group, bucketed and compressed with the
-   codec (error feedback keeps what compression dropped for the next round).
-4. Outer update of the anchor: ``avg``: ``anchor += mean(delta)``; ``nesterov`` (DiLoCo):
+3. All-reduce the flags over the fed group; if any rank's shard is not finite, every rank of the
+   fed group skips the exchange.
+4. Per bucket: pack ``delta = local - anchor`` (or ``own``), average it over the fed group through
+   the codec (error feedback keeps what compression dropped for the next round), and apply the
+   outer update to the anchor: ``avg``: ``anchor += mean(delta)``; ``nesterov`` (DiLoCo):
    ``-mean(delta)`` is a pseudo-gradient for SGD with Nesterov momentum
-   (:mod:`flcomm.federated.outer`). Buffers always take the plain average.
-5. Apply: without overlap the exchange is waited for at once and ``local = anchor``. With
-   ``overlap=True`` it runs while the next local step computes and is applied at the next
-   ``step()`` (or ``finish()``)::
+   (:mod:`flcomm.federated.outer`). Buffers always take the plain average. Without overlap,
+   ``local = anchor``; with overlap, ``own = (new_anchor - old_anchor) - own``.
+   The paper's mode (codec none, ``avg``, no overlap, no error feedback) averages the shards
+   themselves, in place, in their own dtype: no anchor, no delta.
+5. Apply, on the caller's thread: without overlap at once; with ``overlap=True``
+   ``overlap_steps`` (k) steps later (Streaming DiLoCo's tau), ``local += own``, i.e.::
 
        local += (new_anchor - old_anchor) - own_delta        # avg: mean(delta) - own_delta
 
-   i.e. the model becomes the average as of the sync step plus the local update made while the
-   exchange was in flight (a one-step delay); that update is part of the next round's delta,
-   since the anchor is the sync-step average.
+   the model becomes the average as of the sync step plus the local updates made while the
+   exchange was in flight; those updates are part of the next round's delta, since the anchor
+   is the sync-step average. ``k <= E``, so at most one exchange is in flight.
+
+Streaming fragments (``fragments=K``, K dividing E): the tensors are cut into K fragments of
+about equal size (:func:`partition`); fragment k runs steps 1-5 on its tensors at the steps with
+``(step - k E / K) % E == 0``, so each sync moves 1/K of the shard (Streaming DiLoCo).
+
+Memory (:meth:`FedAvg.memory_stats`): the paper's mode keeps nothing but two staging buckets;
+the other modes keep the anchor, plus the residual (error feedback, fp32 or ``residual_dtype=
+"bf16"``), the own delta (overlap) and the momentum (nesterov); ``offload="cpu"`` keeps these in
+host memory and streams them through the buckets.
 
 An average with NaN/Inf, or built from a non-finite delta (which a lossy codec may hide), is
-refused: local weights and anchor are kept (non-finite error-feedback residuals are zeroed),
-and :class:`NonFiniteAverageError` names the fed group's ranks and which of them sent
-non-finite deltas. The refusal is per fed group: peers holding other shards may have applied
-their (finite) averages, so treat the error as fatal or restore a checkpoint. Only floating tensors are averaged (see :mod:`flcomm.federated.shards` for buffers).
+refused: at the apply, the bad ranks (and a bit for buckets whose average overflowed) are OR-ed
+over the federation group, so every rank of every group raises the same
+:class:`NonFiniteAverageError`; non-finite error-feedback residuals are zeroed. A fed group that
+saw a non-finite delta leaves its weights and anchor unchanged; other fed groups may have
+applied theirs, so the error is fatal (restore a checkpoint). Only floating tensors are averaged
+(see :mod:`flcomm.federated.shards` for buffers). Precision is never cut: fp64 tensors travel in
+fp64 (codec none; a lossy codec refuses them).
 """
 
 from __future__ import annotations
 
 import time
+import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from flcomm.codecs import Codec
+from flcomm.collectives.bucketing import bucket_dtype, new_staging
+from flcomm.comm.engine import Job, get_engine
 from flcomm.enums import Choice
-from flcomm.federated.exchange import DeltaExchange, check_codec, flat_views
+from flcomm.federated.exchange import DeltaExchange, ExchangeResult, flat_views, resolve_codec
 from flcomm.federated.outer import Outer, OuterOptimizer
-from flcomm.federated.shards import collect_slots, fingerprint
+from flcomm.federated.shards import collect_slots, fingerprint, is_dtensor
 
 if TYPE_CHECKING:
     from flcomm.federated.topology import FedMesh
@@ -77,6 +100,41 @@ class NonFiniteAverageError(FloatingPointError):
         self.bad_ranks = bad_ranks
 
 
+@dataclass
+class _Fragment:
+    """One fragment of the averaged tensors (all of them when ``fragments=1``): it syncs at the
+    steps with ``(step - offset) % E == 0`` and has its own exchange, flags and job in flight."""
+
+    index: int
+    offset: int
+    slots: list[int]  # indices into FedAvg.slots
+    xidx: list[int]  # the non-empty ones, exchanged
+    exchange: DeltaExchange | None
+    flags: Tensor
+    job: Job | None = None
+    apply_at: int = 0
+    sync_step: int = 0
+
+
+def partition(numels: list[int], k: int) -> list[list[int]]:
+    """Contiguous runs of tensor indices, K of them, of about equal size: fragment j ends after
+    the first tensor at which the running total reaches (j+1)/K of the whole. ValueError when a
+    fragment would be empty (too few tensors, or one tensor larger than several fragments)."""
+    total = sum(numels)
+    bounds, cum, j = [0], 0, 1
+    for i, n in enumerate(numels):
+        cum += n
+        while j < k and cum * k >= j * total:
+            bounds.append(i + 1)
+            j += 1
+    bounds += [len(numels)] * (k + 1 - len(bounds))
+    parts = [list(range(bounds[f], bounds[f + 1])) for f in range(k)]
+    if any(not p for p in parts):
+        raise ValueError(f"cannot split {len(numels)} tensors (sizes {numels[:8]}{'...' if len(numels) > 8 else ''}) "
+                         f"into {k} fragments of about equal size: use fewer fragments")
+    return parts
+
+
 class FedAvg:
     """Periodic averaging of the local shards across federation groups.
 
@@ -86,37 +144,56 @@ class FedAvg:
             group) or a plain module replicated inside the group.
         mesh: the :class:`~flcomm.federated.topology.FedMesh` of this rank.
         sync_every: E >= 1, local steps between syncs.
-        codec: wire codec of the exchange (``flcomm.codecs.CODECS``: none, bf16, fp16, int8, fp8).
+        codec: wire codec of the exchange, a name (``flcomm.codecs.CODECS``: none, bf16, fp16,
+            int8, fp8) or a :class:`~flcomm.codecs.Codec` object (used as given).
         error_feedback: keep the compression error for the next round.
         outer: ``avg`` (the paper) or ``nesterov`` (DiLoCo: SGD, Nesterov momentum).
         outer_lr, outer_momentum: the nesterov outer optimizer's hyper-parameters.
         inner_state: ``keep`` (the paper), ``average`` or ``reset``; the last two need
             ``optimizer``. ``average`` is always blocking (also with ``overlap``).
-        overlap: apply the exchange one step later, while the next step computes (module doc).
+        overlap: apply the exchange later, while the next steps compute (module doc).
+        overlap_steps: k in [1, sync_every], the steps between a sync and its apply (overlap).
         bucket_mb: bucket size of the exchange.
+        residual_dtype: ``"fp32"`` or ``"bf16"`` (halves the error-feedback residuals; see the
+            README for its effect on the int8 error).
+        fragments: K, dividing ``sync_every``: the tensors are split into K fragments of about
+            equal size (:func:`partition`), and fragment k syncs at the steps with
+            ``(step - k E / K) % E == 0`` (Streaming DiLoCo), so each sync moves 1/K of the shard.
+        offload: ``"cpu"`` keeps the anchor, own delta, outer momentum and residuals in host
+            memory (pinned on CUDA), streamed through the buckets during a sync.
         optimizer: the inner optimizer (needed by ``inner_state`` average / reset).
         sync_init: broadcast the model from federation group 0 at construction, so all groups
             start from one point (the algorithm assumes it).
 
     Attributes:
-        exposed_comm_s: cumulative seconds this rank was blocked on the exchange (starting it,
-            waiting for it, averaging optimizer state); with ``overlap`` only the part the next
-            step's compute did not hide.
+        exposed_comm_s: cumulative seconds the training loop was blocked on the exchange (see
+            the property); with ``overlap`` only the part the compute did not hide.
         num_syncs: exchanges applied so far.
         steps: ``step()`` calls so far.
     """
 
-    def __init__(self, model: nn.Module, mesh: "FedMesh", *, sync_every: int, codec: str = "none",
+    def __init__(self, model: nn.Module, mesh: "FedMesh", *, sync_every: int, codec: str | Codec = "none",
                  error_feedback: bool = False, outer: str = "avg", outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, inner_state: str = "keep", overlap: bool = False,
-                 bucket_mb: float = 25.0, optimizer: torch.optim.Optimizer | None = None,
-                 sync_init: bool = True) -> None:
-        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
-            raise ValueError(f"sync_every (E, local steps between syncs) must be an integer >= 1, "
-                             f"got {sync_every!r}")
-        if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
-        self.codec = check_codec(codec)
+                 overlap_steps: int = 1, bucket_mb: float = 25.0,
+                 optimizer: torch.optim.Optimizer | None = None, sync_init: bool = True,
+                 offload: str | None = None, residual_dtype: str = "fp32", fragments: int = 1) -> None:
+        self._check_args(sync_every, bucket_mb, overlap_steps)
+        if not isinstance(fragments, int) or isinstance(fragments, bool) or fragments < 1 or sync_every % fragments:
+            raise ValueError(f"fragments (K) must be an integer >= 1 that divides sync_every={sync_every}, "
+                             f"got {fragments!r}")
+        if fragments > 1 and InnerState.parse(inner_state) is not InnerState.KEEP:
+            raise ValueError(f"inner_state={inner_state!r} is not supported with fragments > 1 (only 'keep')")
+        self.fragments = fragments
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+        if residual_dtype not in dtypes:
+            raise ValueError(f"residual_dtype must be one of {list(dtypes)}, got {residual_dtype!r}")
+        self.residual_dtype = dtypes[residual_dtype]
+        if offload not in (None, "cpu"):
+            raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+        self.offload = offload
+        self.codec_spec = resolve_codec(codec)
+        self.codec = self.codec_spec.name
         self.outer_kind = Outer.parse(outer)
         self.inner_state = InnerState.parse(inner_state)
         if self.inner_state is not InnerState.KEEP and optimizer is None:
@@ -130,20 +207,42 @@ class FedAvg:
         self.sync_every = sync_every
         self.error_feedback = bool(error_feedback)
         self.overlap = bool(overlap)
+        self.overlap_steps = overlap_steps if self.overlap else 0
         self.bucket_mb = float(bucket_mb)
+        # NOTE: the paper's mode averages the shards themselves, in place: nothing to keep
+        self.in_place = (self.codec == "none" and self.outer_kind is Outer.AVG and not self.overlap
+                         and not self.error_feedback)
         self.topology = mesh.topology
         self.federated = self.topology.federated
         self.rank = mesh.rank
         self.steps = 0
         self.num_syncs = 0
-        self.exposed_comm_s = 0.0
-        self._inflight: Any = None
+        self._exposed_host_s = 0.0
+        self._exposed_events: list[tuple[Any, Any]] = []
+        self._frags: list[_Fragment] = []
+        self._warned_slow = False
         self._outer = OuterOptimizer(self.outer_kind, outer_lr, outer_momentum)
         self.kind, self.slots = collect_slots(model, mesh)
-        if not self.federated:
-            return  # NOTE: F = 1 is plain FSDP/HSDP: step() only counts.
+        if self.federated:
+            self._init_federated(sync_init)
+
+    @staticmethod
+    def _check_args(sync_every: Any, bucket_mb: Any, overlap_steps: Any) -> None:
+        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+            raise ValueError(f"sync_every (E, local steps between syncs) must be an integer >= 1, "
+                             f"got {sync_every!r}")
+        if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
+        if (not isinstance(overlap_steps, int) or isinstance(overlap_steps, bool)
+                or not 1 <= overlap_steps <= sync_every):
+            raise ValueError(f"overlap_steps (k, steps between a sync and its apply) must be an integer "
+                             f"in [1, sync_every={sync_every}], got {overlap_steps!r}")
+
+    def _init_federated(self, sync_init: bool) -> None:
+        mesh = self.mesh
         self.fed_ranks: list[int] = list(mesh.group_ranks["fed"])
         self.transport = mesh.transport("fed")
+        self.group_transport = mesh.transport("group")
         self._check_peers()
         locals_ = [s.local for s in self.slots]
         devices = {t.device for t in locals_}
@@ -151,44 +250,72 @@ class FedAvg:
             raise ValueError(f"all averaged tensors must be on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop() if devices else torch.device("cpu")
         self.is_param = [s.is_param for s in self.slots]
-        shapes = [t.shape for t in locals_]
-        total = sum(t.numel() for t in locals_)
-        self._flat = torch.zeros(total, dtype=torch.float32, device=self.device)
-        self._delta = flat_views(self._flat, shapes)
-        self._own = torch.zeros_like(self._flat) if self.overlap else None
         # NOTE: who sent a non-finite delta travels in its own tiny uncompressed all-reduce (a
         # one-hot int32 vector over the fed group): a lossy codec may turn NaN/Inf into finite
         # garbage, so the averaged delta alone cannot be trusted to show it.
         self._fed_index = self.fed_ranks.index(self.rank)
-        self._flags = torch.zeros(len(self.fed_ranks), dtype=torch.int32, device=self.device)
-        self._flag_work: Any = None
+        # NOTE: bad ranks (world-wide) and an overflow bit, OR-ed over the federation group at
+        # the apply, so every rank of every group refuses with the same message.
+        self._world_flags = torch.zeros(self.topology.world_size + 1, dtype=torch.int32, device=self.device)
         if sync_init:
             self._broadcast_from_group0()
-        self._anchor = [t.detach().to(torch.float32, copy=True).contiguous() for t in (s.local for s in self.slots)]
+        work = [bucket_dtype(t.dtype, self.in_place) for t in locals_]
+        home = torch.device("cpu") if self.offload else self.device
+        pin = self.offload is not None and self.device.type == "cuda"
+
+        def full(t: Tensor, dtype: torch.dtype) -> Tensor:
+            out = torch.empty(t.shape, dtype=dtype, device=home, pin_memory=pin)
+            return out.copy_(t)
+
+        self._anchor = [] if self.in_place else [full(t.detach(), d) for t, d in zip(locals_, work)]
+        self._own = [full(torch.zeros_like(a), a.dtype) for a in self._anchor] if self.overlap else None
         self._outer.allocate([a for a, p in zip(self._anchor, self.is_param) if p])
-        # NOTE: empty shards (FSDP uneven sharding) are left out of the exchange; the fed peers
-        # hold the same shard coordinates, so they leave out the same ones.
-        exchanged = [d for d in self._delta if d.numel() > 0]
-        self._exchange = DeltaExchange(self.transport, self._flat, exchanged, self.codec,
-                                       self.bucket_mb, self.error_feedback) if exchanged else None
+        if pin:
+            self._outer.buffers = [b.pin_memory() for b in self._outer.buffers]
+        mom, n = [], 0
+        for p in self.is_param:
+            mom.append(n if p and self.outer_kind is Outer.NESTEROV else None)
+            n += int(p)
+        # NOTE: the partition uses the tensors' global sizes, so every rank cuts the same fragments
+        parts = partition([s.numel for s in self.slots], self.fragments) if self.slots else [[]]
+        # NOTE: the fragments' exchanges run one after another in the engine: one staging pool
+        staging = new_staging()
+        for f, part in enumerate(parts):
+            # NOTE: empty shards (FSDP uneven sharding) are left out of the exchange; the fed
+            # peers hold the same shard coordinates, so they leave out the same ones.
+            x = [i for i in part if locals_[i].numel() > 0]
+            ex = DeltaExchange(
+                self.transport, [locals_[i] for i in x], codec=self.codec_spec, bucket_mb=self.bucket_mb,
+                error_feedback=self.error_feedback, in_place=self.in_place,
+                anchors=None if self.in_place else [self._anchor[i] for i in x],
+                own=None if self._own is None else [self._own[i] for i in x], outer=self._outer,
+                momentum_index=[mom[i] for i in x], offload=self.offload is not None,
+                residual_dtype=self.residual_dtype, staging=staging) if x else None
+            flags = torch.zeros(len(self.fed_ranks), dtype=torch.int32, device=self.device)
+            self._frags.append(_Fragment(f, f * self.sync_every // self.fragments, part, x, ex, flags))
+        self._engine = get_engine(self.device, "exchange")
 
     # ---------------------------------------------------------------- public API
     def step(self) -> bool:
-        """Call once after every ``optimizer.step()``. Applies an exchange in flight (overlap),
-        and starts one every ``sync_every`` steps. Returns True when a sync was started or
-        applied."""
+        """Call once after every ``optimizer.step()``. Applies an exchange in flight when its
+        ``overlap_steps`` have passed, and starts one every ``sync_every`` steps. Returns True
+        when a sync was started or applied. An exchange that failed in the engine raises here."""
         self.steps += 1
         if not self.federated:
             return False
         did = False
-        if self._inflight is not None:
-            self._apply()
-            did = True
-        if self.steps % self.sync_every == 0:
-            self._start()
-            if not self.overlap:
-                self._apply()
-            did = True
+        for fr in self._frags:
+            if fr.job is not None:
+                fr.job.check()
+                if self.steps >= fr.apply_at:
+                    self._apply(fr)
+                    did = True
+        for fr in self._frags:
+            if (self.steps - fr.offset) % self.sync_every == 0:
+                self._start(fr)
+                if not self.overlap:
+                    self._apply(fr)
+                did = True
         return did
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
@@ -198,12 +325,63 @@ class FedAvg:
 
     def finish(self) -> None:
         """Wait for and apply an exchange in flight (before evaluation, checkpoints, the end)."""
-        if self.federated and self._inflight is not None:
-            self._apply()
+        for fr in self._frags:
+            if fr.job is not None:
+                self._apply(fr)
 
     @property
     def in_flight(self) -> bool:
-        return self._inflight is not None
+        return any(fr.job is not None for fr in self._frags)
+
+    @property
+    def _exchange(self) -> DeltaExchange | None:
+        """The exchange of the first fragment (all tensors when ``fragments=1``)."""
+        return self._frags[0].exchange if self._frags else None
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """Seconds the training loop was blocked on the exchange: host time on CPU (starting it,
+        waiting for it, the refusal all-reduce, averaging optimizer state); on CUDA also the
+        time the compute stream waited for the exchange's end event, measured with events
+        (read here, which synchronizes those events)."""
+        for e0, e1 in self._exposed_events:
+            e1.synchronize()
+            self._exposed_host_s += e0.elapsed_time(e1) / 1e3
+        self._exposed_events.clear()
+        return self._exposed_host_s
+
+    @exposed_comm_s.setter
+    def exposed_comm_s(self, value: float) -> None:
+        self._exposed_events.clear()
+        self._exposed_host_s = float(value)
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this FedAvg holds, per buffer kind (``anchor``, ``own``, ``momentum``,
+        ``residual``, ``staging``: bucket buffers and two-hop plans, ``flags``), their ``total``,
+        ``offloaded`` (the part of the total in host memory with ``offload``), and ``shard_fp32``:
+        the bytes of this rank's averaged tensors in fp32 (the unit of the memory targets). On
+        CUDA also ``device_peak`` (torch's peak allocation)."""
+
+        def nbytes(ts: list[Tensor] | None) -> int:
+            return sum(t.numel() * t.element_size() for t in ts or [])
+
+        out = {"anchor": 0, "own": 0, "momentum": 0, "residual": 0, "staging": 0, "flags": 0}
+        if self.federated:
+            out["anchor"] = nbytes(self._anchor)
+            out["own"] = nbytes(self._own)
+            out["momentum"] = nbytes(self._outer.buffers)
+            out["flags"] = nbytes([fr.flags for fr in self._frags] + [self._world_flags])
+            exchanges = [fr.exchange for fr in self._frags if fr.exchange is not None]
+            for i, ex in enumerate(exchanges):
+                mem = ex.memory_bytes()
+                out["residual"] += mem["residual"]
+                out["staging"] += mem["staging"] if i == 0 else 0  # NOTE: one shared pool
+        out["total"] = sum(out.values())
+        out["offloaded"] = 0 if not self.offload or not self.federated else out["total"] - out["staging"] - out["flags"]
+        out["shard_fp32"] = sum(s.local.numel() * 4 for s in self.slots)
+        if self.federated and self.device.type == "cuda":
+            out["device_peak"] = int(torch.cuda.max_memory_allocated(self.device))
+        return out
 
     def state_dict(self) -> dict:
         """Counters, and this rank's anchor shards, outer momentum and error-feedback residuals.
@@ -211,15 +389,17 @@ class FedAvg:
         The tensors are local shards under the key ``f"rank{rank}"``, so each rank saves its own
         entries with torch.distributed.checkpoint (entries with one key on every rank are
         deduplicated as replicated). ``topology`` and ``config`` let a load check compatibility
-        first (see :meth:`check_compatible`). Call :meth:`finish` first when overlapping.
+        first (see :meth:`check_compatible`). The paper's in-place mode keeps no anchor. Call
+        :meth:`finish` first when overlapping.
         """
-        if self._inflight is not None:
+        if self.in_flight:
             raise RuntimeError("FedAvg.state_dict() with an exchange in flight: call finish() first")
         sd: dict[str, Any] = {
             "version": STATE_VERSION,
             "topology": self._topology_meta(),
             "config": {"sync_every": self.sync_every, "codec": self.codec, "outer": self.outer_kind.value,
-                       "error_feedback": self.error_feedback, "inner_state": self.inner_state.value},
+                       "error_feedback": self.error_feedback, "inner_state": self.inner_state.value,
+                       "in_place": self.in_place, "fragments": self.fragments},
             "steps": self.steps,
             "num_syncs": self.num_syncs,
         }
@@ -231,7 +411,7 @@ class FedAvg:
             sd[f"rank{self.rank}"] = {
                 "anchor": dict(zip(names, self._anchor)),
                 "outer": outer,
-                "exchange": self._exchange.state_dict() if self._exchange is not None else {},
+                "exchange": self._exchange_state(),
                 "exposed_comm_s": self.exposed_comm_s,
             }
         return sd
@@ -245,43 +425,64 @@ class FedAvg:
         if theirs != mine:
             raise ValueError(f"FedAvg state is from another topology: saved {theirs}, this run has {mine}")
         cfg = sd.get("config", {})
-        for key, want in (("outer", self.outer_kind.value), ("error_feedback", self.error_feedback)):
-            if cfg.get(key) != want:
+        for key, want in (("outer", self.outer_kind.value), ("error_feedback", self.error_feedback),
+                          ("fragments", self.fragments)):
+            if cfg.get(key, 1 if key == "fragments" else None) != want:
                 raise ValueError(f"FedAvg state was saved with {key}={cfg.get(key)!r}, this run has {key}={want!r}")
+        if cfg.get("in_place", False) and not self.in_place:
+            raise ValueError("FedAvg state was saved in the paper's in-place mode, which keeps no anchor; this "
+                             f"run (codec={self.codec!r}, overlap={self.overlap}) needs one: resume in the same mode")
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore what :meth:`state_dict` saved (same topology, model and outer/error-feedback
         configuration); clear errors otherwise."""
-        if self._inflight is not None:
+        if self.in_flight:
             raise RuntimeError("FedAvg.load_state_dict() with an exchange in flight: call finish() first")
         self.check_compatible(sd)
         if self.federated:
-            key = f"rank{self.rank}"
-            if key not in sd:
-                have = sorted(k for k in sd if k.startswith("rank"))
-                raise ValueError(f"FedAvg state has no entry {key!r} for this rank (has {have})")
-            mine = sd[key]
-            names = [s.name for s in self.slots]
-            anchor = mine["anchor"]
-            if list(anchor) != names:
-                raise ValueError(f"FedAvg state holds anchors for {list(anchor)}, this model has {names}")
-            for n, dst, src in zip(names, self._anchor, anchor.values()):
-                if tuple(src.shape) != tuple(dst.shape):
-                    raise ValueError(f"FedAvg anchor {n!r} has shape {tuple(src.shape)} in the state, "
-                                     f"{tuple(dst.shape)} here (another topology or model)")
-            outer = dict(mine["outer"])
-            bufs = outer.get("buffers") or {}
-            outer["buffers"] = list(bufs.values())
-            self._outer.load_state_dict(outer, [tuple(a.shape) for a, p in zip(self._anchor, self.is_param) if p])
-            if self._exchange is not None:
-                self._exchange.load_state_dict(mine.get("exchange", {}))
-            with torch.no_grad():
-                for dst, src in zip(self._anchor, anchor.values()):
-                    if dst is not src:
-                        dst.copy_(src)
-            self.exposed_comm_s = float(mine.get("exposed_comm_s", 0.0))
+            self._load_rank_state(sd)
         self.steps = int(sd["steps"])
         self.num_syncs = int(sd["num_syncs"])
+
+    def _load_rank_state(self, sd: dict) -> None:
+        key = f"rank{self.rank}"
+        if key not in sd:
+            have = sorted(k for k in sd if k.startswith("rank"))
+            raise ValueError(f"FedAvg state has no entry {key!r} for this rank (has {have})")
+        mine = sd[key]
+        names = [s.name for s in self.slots]
+        # NOTE: the in-place mode keeps no anchor and ignores saved ones (the model is the state)
+        anchor = {} if self.in_place else mine["anchor"]
+        want = [] if self.in_place else names
+        if list(anchor) != want:
+            raise ValueError(f"FedAvg state holds anchors for {list(anchor)}, this model has {want}")
+        for n, dst, src in zip(names, self._anchor, anchor.values()):
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"FedAvg anchor {n!r} has shape {tuple(src.shape)} in the state, "
+                                 f"{tuple(dst.shape)} here (another topology or model)")
+        outer = dict(mine["outer"])
+        bufs = outer.get("buffers") or {}
+        outer["buffers"] = list(bufs.values())
+        self._outer.load_state_dict(outer, [tuple(a.shape) for a, p in zip(self._anchor, self.is_param) if p])
+        self._load_exchange_state(mine.get("exchange", {}))
+        with torch.no_grad():
+            for dst, src in zip(self._anchor, anchor.values()):
+                if dst is not src:
+                    dst.copy_(src)
+        self.exposed_comm_s = float(mine.get("exposed_comm_s", 0.0))
+
+    def _exchange_state(self) -> dict:
+        """The exchanges' residuals: one fragment's state, or ``{"fragments": [...]}``."""
+        sds = [fr.exchange.state_dict() if fr.exchange is not None else {} for fr in self._frags]
+        return sds[0] if self.fragments == 1 else {"fragments": sds}
+
+    def _load_exchange_state(self, sd: dict) -> None:
+        sds = [sd] if self.fragments == 1 else list(sd.get("fragments", []))
+        if len(sds) != len(self._frags):
+            raise ValueError(f"FedAvg state holds {len(sds)} fragment exchanges, this run has {len(self._frags)}")
+        for fr, s in zip(self._frags, sds):
+            if fr.exchange is not None:
+                fr.exchange.load_state_dict(s)
 
     # ---------------------------------------------------------------- internals
     def _topology_meta(self) -> dict:
@@ -305,76 +506,115 @@ class FedAvg:
 
     @torch.no_grad()
     def _broadcast_from_group0(self) -> None:
-        locals_ = [s.local for s in self.slots]
-        if not locals_ or self._flat.numel() == 0:
-            return
-        for d, t in zip(self._delta, locals_):
-            d.copy_(t)
-        self.transport.broadcast(self._flat, src=0)
-        for d, t in zip(self._delta, locals_):
-            t.copy_(d)
+        """Every rank takes federation group 0's shards (one broadcast per dtype; the flat copy
+        exists only here, at construction)."""
+        locals_ = [s.local for s in self.slots if s.local.numel()]
+        for dt in dict.fromkeys(t.dtype for t in locals_):
+            ts = [t for t in locals_ if t.dtype == dt]
+            flat = torch.cat([t.reshape(-1) for t in ts])
+            self.transport.broadcast(flat, src=0)
+            for t, v in zip(ts, flat_views(flat, [t.shape for t in ts])):
+                t.copy_(v)
 
     @torch.no_grad()
-    def _start(self) -> None:
-        """Steps 1-3 of the module docstring."""
-        for d, t, a in zip(self._delta, (s.local for s in self.slots), self._anchor):
-            d.copy_(t)
-            d.sub_(a)
-        self._flags.zero_()
-        # NOTE: a tensor op, no device sync here
-        self._flags[self._fed_index] = (~torch.isfinite(self._flat).all()).to(torch.int32)
+    def _start(self, fr: _Fragment) -> None:
+        """Steps 1-3 of the module docstring for fragment ``fr``: flags and (overlap) the own
+        delta on this thread, the rest as one job of the progress engine."""
+        locals_ = {i: self.slots[i].local for i in fr.slots}
+        t0 = time.perf_counter()
+        fr.flags.zero_()
+        if locals_:
+            # NOTE: tensor ops, no device sync here; the anchor is finite (a refused average is
+            # never applied), so the delta is finite exactly when the local shard is
+            bad = torch.stack([~torch.isfinite(t).all() for t in locals_.values()]).any()
+            fr.flags[self._fed_index] = bad.to(torch.int32)
         if self._own is not None:
-            self._own.copy_(self._flat)
+            for i, t in locals_.items():
+                self._own[i].copy_(t)
+                self._own[i].sub_(self._anchor[i])
         if self.inner_state is InnerState.AVERAGE:
             self._average_inner_state()
         elif self.inner_state is InnerState.RESET:
             self.optimizer.state.clear()
-        t0 = time.perf_counter()
-        self._inflight = self._exchange.start() if self._exchange is not None else _Done()
-        self._flag_work = self.transport.all_reduce(self._flags, op="sum", async_op=True)
-        self.exposed_comm_s += time.perf_counter() - t0
+        xlocals = [locals_[i] for i in fr.xidx]
+        if self._engine.stream is not None:
+            for t in [fr.flags, *xlocals]:
+                t.record_stream(self._engine.stream)
+        exchange, flags = fr.exchange, fr.flags
+
+        def run(job: Job) -> ExchangeResult:
+            job.stage = "non-finite flags all-reduce"
+            self.transport.all_reduce(flags, op="sum")
+            # NOTE: every rank of the fed group sees the same flags: all skip the exchange
+            if bool(flags.any()) or exchange is None:
+                return ExchangeResult()
+            return exchange.run(job, xlocals)
+
+        fr.sync_step = self.steps
+        fr.apply_at = self.steps + self.overlap_steps
+        name = f"FedAvg exchange of step {self.steps}" + (f" (fragment {fr.index})" if self.fragments > 1 else "")
+        fr.job = self._engine.submit(run, name)
+        self._exposed_host_s += time.perf_counter() - t0
 
     @torch.no_grad()
-    def _apply(self) -> None:
-        """Steps 4-5 of the module docstring."""
-        work, self._inflight = self._inflight, None
+    def _apply(self, fr: _Fragment) -> None:
+        """Steps 4-5 of the module docstring (the outer update ran in the engine, bucket by
+        bucket): wait, agree on a refusal over the federation group, add the overlap correction."""
+        job, fr.job = fr.job, None
+        if self.overlap and not job.is_completed() and not self._warned_slow:
+            self._warned_slow = True
+            warnings.warn(f"FedAvg: the exchange of step {fr.sync_step} was still running after "
+                          f"overlap_steps={self.overlap_steps} steps of compute, so the loop waits for it; "
+                          "raise overlap_steps (<= sync_every), use fragments or a faster codec", stacklevel=3)
         t0 = time.perf_counter()
-        work.wait(self.mesh.timeout)
-        self._flag_work.wait(self.mesh.timeout)
-        self._flag_work = None
-        self.exposed_comm_s += time.perf_counter() - t0
-        if bool(self._flags.any()) or (self._flat.numel() and not bool(torch.isfinite(self._flat).all())):
-            if self._exchange is not None:
-                self._exchange.sanitize()
-            self._refuse()
-        disp = self._outer.displacement_(self._delta, self.is_param)
-        for a, d in zip(self._anchor, disp):
-            a.add_(d)
-        locals_ = [s.local for s in self.slots]
-        if self._own is None:
-            for t, a in zip(locals_, self._anchor):
-                t.copy_(a)
-        else:
-            own = flat_views(self._own, [d.shape for d in disp])
-            for t, d, o in zip(locals_, disp, own):
-                d.sub_(o)
-                t.add_(d.to(t.dtype) if t.dtype != torch.float32 else d)
+        ev0 = self._record_event()
+        nb = fr.exchange.bar.num_buckets if fr.exchange is not None else 0
+        res: ExchangeResult = job.wait(self.mesh.timeout * (2 * nb + 2))
+        ev1 = self._record_event()
+        if ev0 is not None:
+            self._exposed_events.append((ev0, ev1))
+        wf = self._world_flags
+        wf.zero_()
+        for r, f in zip(self.fed_ranks, fr.flags.tolist()):
+            if f:
+                wf[r] = 1
+        wf[-1] = int(bool(res.bad_buckets))
+        self.group_transport.all_reduce(wf, op="max")
+        self._exposed_host_s += time.perf_counter() - t0
+        if bool(wf.any()):
+            if fr.exchange is not None:
+                fr.exchange.sanitize()
+            self._refuse(wf, fr)
+        if self._own is not None:
+            for i in fr.slots:
+                t, o = self.slots[i].local, self._own[i]
+                t.add_(o.to(t.device, t.dtype) if (t.dtype, t.device) != (o.dtype, o.device) else o)
         self.num_syncs += 1
 
-    def _refuse(self) -> None:
-        bad = [r for r, f in zip(self.fed_ranks, self._flags.tolist()) if f]
+    def _record_event(self) -> Any:
+        if self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def _refuse(self, world_flags: Tensor, fr: _Fragment) -> None:
+        flags = world_flags.tolist()
+        bad = [r for r, f in enumerate(flags[:-1]) if f]
         groups = [self.topology.coords(r).group for r in bad]
-        origin = (f"non-finite deltas came from ranks {bad} (federation groups {groups})" if bad else
-                  "no rank sent a non-finite delta (the reduction or the codec overflowed)")
+        if bad:
+            origin = (f"non-finite deltas came from ranks {bad} (federation groups {groups}); the average "
+                      "was refused: local weights and anchors are unchanged where the fed group saw them")
+        else:
+            origin = ("no rank sent a non-finite delta: the reduction or the codec overflowed in some "
+                      "buckets, whose average was not applied (other buckets were)")
+        what = f"FedAvg sync of step {fr.sync_step}" + (f" (fragment {fr.index})" if self.fragments > 1 else "")
         raise NonFiniteAverageError(
-            f"rank {self.rank}: the average exchanged over fed group ranks {self.fed_ranks} at step "
-            f"{self.steps} is not finite (NaN/Inf); {origin}. It was refused: local weights and the anchor "
-            "are unchanged.", list(self.fed_ranks), bad)
+            f"{what}: the average exchanged between federation groups is not finite (NaN/Inf); {origin}. "
+            "Every rank stops with this error: restore a checkpoint.", list(self.fed_ranks), bad)
 
     def _average_inner_state(self) -> None:
         """Average the floating inner-optimizer state (all but ``step``) over the fed group."""
-        from flcomm.federated.shards import _is_dtensor
-
         tensors: list[Tensor] = []
         for group in self.optimizer.param_groups:
             for p in group["params"]:
@@ -383,24 +623,14 @@ class FedAvg:
                     v = st[k]
                     if k == "step" or not isinstance(v, Tensor) or not v.is_floating_point():
                         continue
-                    v = v.to_local() if _is_dtensor(v) else v
+                    v = v.to_local() if is_dtensor(v) else v
                     if v.numel():
                         tensors.append(v)
         if not tensors:
             return
-        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
-        t0 = time.perf_counter()
-        self.transport.all_reduce(flat, op="avg")
-        self.exposed_comm_s += time.perf_counter() - t0
-        for t, v in zip(tensors, flat_views(flat, [t.shape for t in tensors])):
-            t.copy_(v)
-
-
-class _Done:
-    """A completed handle (a rank whose shards are all empty exchanges nothing)."""
-
-    def wait(self, timeout: Any = None) -> None:
-        return None
-
-    def is_completed(self) -> bool:
-        return True
+        for dt in dict.fromkeys(bucket_dtype(t.dtype, False) for t in tensors):
+            ts = [t for t in tensors if bucket_dtype(t.dtype, False) == dt]
+            flat = torch.cat([t.reshape(-1).to(dt) for t in ts])
+            self.transport.all_reduce(flat, op="avg")
+            for t, v in zip(ts, flat_views(flat, [t.shape for t in ts])):
+                t.copy_(v)

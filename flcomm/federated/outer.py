@@ -50,24 +50,18 @@ class OuterOptimizer:
         self.buffers = [torch.zeros_like(a) for a in param_anchors] if self.kind is Outer.NESTEROV else []
 
     @torch.no_grad()
-    def displacement_(self, mean_deltas: list[Tensor], is_param: list[bool]) -> list[Tensor]:
-        """Turn ``mean_deltas`` in place into the displacement of the anchor (``anchor +=
-        result``) and return it. Tensors with ``is_param`` False (buffers) always take the plain
-        average (displacement = mean delta); only parameters go through the outer optimizer."""
+    def piece_(self, mean: Tensor, buf: Tensor | None) -> Tensor:
+        """Turn a piece of the mean delta, in place, into the anchor's displacement (``anchor +=
+        result``) and return it; ``buf`` is the same piece of the momentum buffer (nesterov),
+        updated in place. Elementwise, so a tensor may be updated bucket by bucket."""
         if self.kind is Outer.AVG:
-            return mean_deltas
-        d = [t for t, p in zip(mean_deltas, is_param) if p]
-        if not d:
-            return mean_deltas
-        if len(self.buffers) != len(d):
-            raise RuntimeError(f"outer optimizer has {len(self.buffers)} momentum buffers for "
-                               f"{len(d)} parameters: call allocate() first")
-        torch._foreach_neg_(d)  # pseudo-gradient g = old minus new
-        torch._foreach_mul_(self.buffers, self.momentum)
-        torch._foreach_add_(self.buffers, d)
-        torch._foreach_add_(d, self.buffers, alpha=self.momentum)  # Nesterov: g + momentum * buf
-        torch._foreach_mul_(d, -self.lr)
-        return mean_deltas
+            return mean
+        if buf is None:
+            raise RuntimeError("the nesterov outer update needs the momentum buffer: call allocate() first")
+        mean.neg_()  # pseudo-gradient g = old minus new
+        buf.mul_(self.momentum).add_(mean)
+        mean.add_(buf, alpha=self.momentum).mul_(-self.lr)  # Nesterov: -lr * (g + momentum * buf)
+        return mean
 
     def state_dict(self) -> dict:
         return {"kind": self.kind.value, "lr": self.lr, "momentum": self.momentum,

@@ -37,6 +37,7 @@ class Slot:
     get: Callable[[], Tensor]
     is_param: bool
     coord: tuple[int, ...]  # the rank's position among the ranks sharding this tensor
+    numel: int = 0  # elements of the whole (unsharded) tensor: the same on every rank
 
     @property
     def local(self) -> Tensor:
@@ -45,7 +46,7 @@ class Slot:
         return self.get()
 
 
-def _is_dtensor(t: Tensor) -> bool:
+def is_dtensor(t: Tensor) -> bool:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch < 2.4
@@ -65,7 +66,7 @@ def model_kind(model: nn.Module) -> str:
     """``"fsdp2"``, ``"fsdp1"`` or ``"plain"``."""
     if _fsdp1_units(model):
         return "fsdp1"
-    if any(_is_dtensor(p) for p in model.parameters()):
+    if any(is_dtensor(p) for p in model.parameters()):
         return "fsdp2"
     return "plain"
 
@@ -109,28 +110,31 @@ def collect_slots(model: nn.Module, mesh: "FedMesh") -> tuple[str, list[Slot]]:
             if inter is not None and not set(dist.get_process_group_ranks(inter)) <= group:
                 raise _group_error(f"FSDP1 unit {i} replica group", dist.get_process_group_ranks(inter), mesh)
             if fp.is_floating_point():
-                slots.append(Slot(f"flat_param.{i}", lambda fp=fp: fp.data, True, (dist.get_rank(pg),)))
+                full = getattr(fp, "_unpadded_unsharded_size", None)
+                n = full.numel() if full is not None else fp.numel() * dist.get_world_size(pg)
+                slots.append(Slot(f"flat_param.{i}", lambda fp=fp: fp.data, True, (dist.get_rank(pg),), n))
     else:
         for name, p in model.named_parameters():
             if not p.is_floating_point():
                 continue
-            if _is_dtensor(p):
+            if is_dtensor(p):
                 dm = p.device_mesh
                 ranks = [int(r) for r in dm.mesh.flatten().tolist()]
                 if not set(ranks) <= group:
                     raise _group_error(f"parameter {name!r}", ranks, mesh)
                 coord = tuple(dm.get_coordinate() or ())
-                slots.append(Slot(name, lambda p=p: p.to_local(), True, coord))
+                slots.append(Slot(name, lambda p=p: p.to_local(), True, coord, p.numel()))
             else:
-                slots.append(Slot(name, lambda p=p: p.data, True, ()))
+                slots.append(Slot(name, lambda p=p: p.data, True, (), p.numel()))
     for name, owner, bname in persistent_buffers(model):
         if owner._buffers[bname].is_floating_point():
-            slots.append(Slot(name, lambda m=owner, n=bname: _local(m._buffers[n]), False, ()))
+            slots.append(Slot(name, lambda m=owner, n=bname: _local(m._buffers[n]), False, (),
+                              owner._buffers[bname].numel()))
     return kind, slots
 
 
 def _local(t: Tensor) -> Tensor:
-    return t.to_local() if _is_dtensor(t) else t.data
+    return t.to_local() if is_dtensor(t) else t.data
 
 
 def persistent_buffers(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
