@@ -385,11 +385,16 @@ class BucketedAllReduce:
     def _finish(self, job: Job, k: int, unpack: PackFn) -> None:
         b, slot = self._buckets[k], self._slots[k % 2]
         job.stage = f"bucket {k}/{len(self._buckets)}: wait, decode, unpack"
+        flat = slot.flat[: b.padded * torch.empty((), dtype=b.dtype).element_size()].view(b.dtype)
         try:
             if slot.plan is not None:
                 slot.plan.finish()
             elif slot.work is not None:
                 slot.work.wait()
+            if b.mine is not None:
+                job.stage = f"bucket {k}/{len(self._buckets)}: all-gather of the {self.replicas} replicas' slices"
+                # NOTE: in place (the input is this rank's slice of the output), as FSDP gathers
+                self.replicate.all_gather(flat, self._mine(flat, b))
         except BaseException:
             for s in self._slots:
                 if s.plan is not None:
@@ -397,11 +402,6 @@ class BucketedAllReduce:
                 s.work = s.plan = None
             raise
         slot.work = None
-        flat = slot.flat[: b.padded * torch.empty((), dtype=b.dtype).element_size()].view(b.dtype)
-        if b.mine is not None:
-            job.stage = f"bucket {k}/{len(self._buckets)}: all-gather of the {self.replicas} replicas' slices"
-            # NOTE: in place (the input is this rank's slice of the output), as FSDP gathers
-            self.replicate.all_gather(flat, self._mine(flat, b))
         unpack(b.segments, flat[: b.numel])
 
     # ---- error-feedback state ----
