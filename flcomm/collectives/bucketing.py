@@ -129,8 +129,8 @@ class BucketedAllReduce:
             fp32 while a bucket is exchanged).
         staging: staging slots (:func:`new_staging`) to share with other all-reduces whose
             exchanges never overlap (the same engine lane runs them one after another).
-        replicate: ranks holding the same tensors (HSDP replicas): each reduces one slice of
-            every bucket and the slices are all-gathered over it (module docstring). It must be
+        replicate: ranks holding identical tensors (HSDP or DDP replicas): each reduces one slice
+            of every bucket and the slices are all-gathered over it (module docstring). It must be
             a group no one else issues on while an exchange is in flight.
     """
 
@@ -165,6 +165,9 @@ class BucketedAllReduce:
         if self.device.type != transport.device.type:
             raise ValueError(f"tensors must be on the transport's device type ({transport.device.type}), "
                              f"got {self.device}")
+        if self.replicate is not None and self.replicate.device.type != transport.device.type:
+            raise ValueError(f"replicate must be on the transport's device type ({transport.device.type}), "
+                             f"got {self.replicate.device.type}")
         self.shapes = [tuple(t.shape) for t in tensors]
         self.dtypes = [t.dtype for t in tensors]
         self._check_precision()
