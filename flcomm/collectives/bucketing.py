@@ -19,6 +19,12 @@ Pipeline of one exchange (one engine job; ``start()`` returns its :class:`~flcom
     then the last middle and finishes.
 
 Bucket k is on the wire while bucket k+1 is packed and compressed and bucket k-1 is reduced.
+
+Sharded across replicas (``replicate``, R ranks holding the same tensors, FL+HSDP): each bucket is
+padded to R equal slices (each a multiple of ``world * align``); replica r packs and reduces only
+slice r over ``transport`` (its error-feedback residual is the slice's), and the finish step
+all-gathers the R reduced slices over ``replicate`` before the unpack sees the whole bucket. The
+reducing transport then carries 1/R of the bytes; the all-gather adds (R-1)/R of the bucket.
 ``pack(segments, flat)`` / ``unpack(segments, flat)`` may replace the default copies (FedAvg
 computes its deltas and applies its outer update there, bucket by bucket).
 
@@ -63,6 +69,8 @@ class _Bucket:
     dtype: torch.dtype
     segments: list[Segment]
     residual: Tensor | None = None
+    wire: int = 0  # elements this rank reduces: the bucket, or its replica's slice
+    mine: list[Segment] | None = None  # sharded: the segments of that slice (slice offsets)
 
 
 class _Slot:
@@ -74,6 +82,16 @@ class _Slot:
         self.work: Work | None = None
         self.plan: TwoHopPlan | None = None
         self.residual: Tensor | None = None  # offload: the bucket's residual, staged on the device
+
+
+def _clip(segs: list[Segment], lo: int, n: int) -> list[Segment]:
+    """The parts of ``segs`` inside bucket elements ``[lo, lo + n)``, with offsets from ``lo``."""
+    out = []
+    for s in segs:
+        a, b = max(s.bucket_offset, lo), min(s.bucket_offset + s.length, lo + n)
+        if a < b:
+            out.append(Segment(s.index, s.tensor_offset + a - s.bucket_offset, a - lo, b - a))
+    return out
 
 
 def new_staging() -> list[_Slot]:
@@ -111,16 +129,23 @@ class BucketedAllReduce:
             fp32 while a bucket is exchanged).
         staging: staging slots (:func:`new_staging`) to share with other all-reduces whose
             exchanges never overlap (the same engine lane runs them one after another).
+        replicate: ranks holding identical tensors (HSDP or DDP replicas): each reduces one slice
+            of every bucket and the slices are all-gathered over it (module docstring). It must be
+            a group no one else issues on while an exchange is in flight.
     """
 
     def __init__(self, transport: Transport, tensors: list[Tensor], codec: str | Codec = "none",
                  bucket_mb: float = 25.0, error_feedback: bool = False, op: Any = "avg",
                  keep_dtype: bool = False, engine: ProgressEngine | None = None,
                  offload: bool = False, residual_dtype: torch.dtype = torch.float32,
-                 staging: list[_Slot] | None = None) -> None:
+                 staging: list[_Slot] | None = None, replicate: Transport | None = None) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a flcomm Transport, got {type(transport).__name__}")
+        if replicate is not None and not isinstance(replicate, Transport):
+            raise TypeError(f"replicate must be a flcomm Transport or None, got {type(replicate).__name__}")
         self.transport = transport
+        self.replicate = replicate if replicate is not None and replicate.size > 1 else None
+        self.replicas = self.replicate.size if self.replicate is not None else 1
         self.codec = get_codec(codec)
         self.op: ReduceOp = parse_sum_avg(op)
         if not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
@@ -140,6 +165,9 @@ class BucketedAllReduce:
         if self.device.type != transport.device.type:
             raise ValueError(f"tensors must be on the transport's device type ({transport.device.type}), "
                              f"got {self.device}")
+        if self.replicate is not None and self.replicate.device.type != transport.device.type:
+            raise ValueError(f"replicate must be on the transport's device type ({transport.device.type}), "
+                             f"got {self.replicate.device.type}")
         self.shapes = [tuple(t.shape) for t in tensors]
         self.dtypes = [t.dtype for t in tensors]
         self._check_precision()
@@ -167,12 +195,19 @@ class BucketedAllReduce:
         segs: list[Segment] = []
         fill, cur = 0, None
 
+        R = self.replicas
+
         def close() -> None:
             nonlocal segs, fill
             if fill:
-                # NOTE: a multiple of world * align: the two-hop chunks need no padded copy
-                padded = chunk_numel(fill, world, self.codec) * world if world > 1 else fill
-                buckets.append(_Bucket(fill, padded, cur, segs))
+                # NOTE: R slices, each a multiple of world * align: the two-hop chunks need no
+                # padded copy, and the R slices are equal for the all-gather
+                per = -(-fill // R)
+                wire = chunk_numel(per, world, self.codec) * world if world > 1 else per
+                b = _Bucket(fill, wire * R, cur, segs, wire=wire)
+                if R > 1:
+                    b.mine = _clip(segs, self.replicate.rank * wire, wire)
+                buckets.append(b)
             segs, fill = [], 0
 
         for i, n in enumerate(numels):
@@ -194,7 +229,7 @@ class BucketedAllReduce:
             home = torch.device("cpu") if self.offload else self.device
             pin = self.offload and self.device.type == "cuda"
             for b in buckets:
-                b.residual = torch.zeros(b.padded, dtype=self.residual_dtype, device=home, pin_memory=pin)
+                b.residual = torch.zeros(b.wire, dtype=self.residual_dtype, device=home, pin_memory=pin)
         return buckets
 
     @property
@@ -301,20 +336,30 @@ class BucketedAllReduce:
             flat[b.numel:].zero_()
         return flat
 
+    def _mine(self, flat: Tensor, b: _Bucket) -> Tensor:
+        """The part of the bucket's ``flat`` (padded) this rank reduces: all, or its slice."""
+        if b.mine is None:
+            return flat
+        lo = self.replicate.rank * b.wire
+        return flat[lo: lo + b.wire]
+
     def _issue(self, job: Job, k: int, pack: PackFn) -> None:
         b, slot = self._buckets[k], self._slots[k % 2]
         job.stage = f"bucket {k}/{len(self._buckets)}: pack, encode, hop 1"
-        flat = self._slot_flat(slot, b)
-        pack(b.segments, flat[: b.numel])
+        flat = self._mine(self._slot_flat(slot, b), b)
+        if b.mine is None:
+            pack(b.segments, flat[: b.numel])
+        else:
+            pack(b.mine, flat[: sum(s.length for s in b.mine)])
         res = self._stage_residual(slot, b)
         if self.codec.lossless or self.transport.size == 1:
             slot.work = lossless_all_reduce(self.transport, flat, res, self.op)
             slot.plan = None
             self._unstage_residual(slot, b)
             return
-        key = (b.padded, b.dtype)
+        key = (b.wire, b.dtype)
         if key not in slot.plans:
-            slot.plans[key] = TwoHopPlan(self.transport, b.padded, self.codec, self.op, self.device)
+            slot.plans[key] = TwoHopPlan(self.transport, b.wire, self.codec, self.op, self.device)
         slot.plan = slot.plans[key]
         slot.plan.first(flat, res)
 
@@ -322,16 +367,16 @@ class BucketedAllReduce:
         """The bucket's fp32 residual on the device (offload or bf16: staged in the slot)."""
         if b.residual is None or (b.residual.device == self.device and b.residual.dtype == torch.float32):
             return b.residual
-        if slot.residual is None or slot.residual.numel() < b.padded:
-            slot.residual = torch.empty(b.padded, dtype=torch.float32, device=self.device)
-        dev = slot.residual[: b.padded]
+        if slot.residual is None or slot.residual.numel() < b.wire:
+            slot.residual = torch.empty(b.wire, dtype=torch.float32, device=self.device)
+        dev = slot.residual[: b.wire]
         dev.copy_(b.residual, non_blocking=True)
         return dev
 
     def _unstage_residual(self, slot: _Slot, b: _Bucket) -> None:
         # NOTE: the residual is final once the reduced chunk was re-encoded (hop 2 issued)
         if b.residual is not None and slot.residual is not None and b.residual is not slot.residual:
-            b.residual.copy_(slot.residual[: b.padded])
+            b.residual.copy_(slot.residual[: b.wire])
 
     def _middle(self, job: Job, k: int) -> None:
         slot = self._slots[k % 2]
@@ -343,11 +388,16 @@ class BucketedAllReduce:
     def _finish(self, job: Job, k: int, unpack: PackFn) -> None:
         b, slot = self._buckets[k], self._slots[k % 2]
         job.stage = f"bucket {k}/{len(self._buckets)}: wait, decode, unpack"
+        flat = slot.flat[: b.padded * torch.empty((), dtype=b.dtype).element_size()].view(b.dtype)
         try:
             if slot.plan is not None:
                 slot.plan.finish()
             elif slot.work is not None:
                 slot.work.wait()
+            if b.mine is not None:
+                job.stage = f"bucket {k}/{len(self._buckets)}: all-gather of the {self.replicas} replicas' slices"
+                # NOTE: in place (the input is this rank's slice of the output), as FSDP gathers
+                self.replicate.all_gather(flat, self._mine(flat, b))
         except BaseException:
             for s in self._slots:
                 if s.plan is not None:
@@ -355,12 +405,12 @@ class BucketedAllReduce:
                 s.work = s.plan = None
             raise
         slot.work = None
-        flat = slot.flat[: b.padded * torch.empty((), dtype=b.dtype).element_size()].view(b.dtype)
         unpack(b.segments, flat[: b.numel])
 
     # ---- error-feedback state ----
     def residuals(self) -> list[Tensor | None]:
-        """The error-feedback residual of each bucket (padded; None without error feedback)."""
+        """The error-feedback residual of each bucket (padded; the replica's slice when sharded;
+        None without error feedback)."""
         return [b.residual for b in self._buckets]
 
     def state_dict(self) -> dict[str, Any]:
@@ -368,6 +418,7 @@ class BucketedAllReduce:
         return {
             "codec": self.codec.name,
             "world": self.transport.size,
+            "replicas": self.replicas,
             "bucket_numels": self.bucket_numels,
             "residuals": [None if b.residual is None else b.residual.clone() for b in self._buckets],
         }
@@ -377,9 +428,11 @@ class BucketedAllReduce:
         for key in ("bucket_numels", "residuals", "world"):
             if key not in sd:
                 raise KeyError(f"state dict lacks {key!r} (has {sorted(sd)})")
-        if list(sd["bucket_numels"]) != self.bucket_numels or sd["world"] != self.transport.size:
-            raise ValueError(f"state dict is for buckets {sd['bucket_numels']} on {sd['world']} ranks, this "
-                             f"layout has {self.bucket_numels} on {self.transport.size}")
+        saved = (list(sd["bucket_numels"]), sd["world"], sd.get("replicas", 1))
+        if saved != (self.bucket_numels, self.transport.size, self.replicas):
+            raise ValueError(f"state dict is for buckets {saved[0]} on {saved[1]} ranks x {saved[2]} replicas "
+                             f"(sharded exchange when > 1), this layout has {self.bucket_numels} on "
+                             f"{self.transport.size} ranks x {self.replicas} replicas")
         res = sd["residuals"]
         if len(res) != len(self._buckets):
             raise ValueError(f"state dict has {len(res)} residuals, expected {len(self._buckets)}")

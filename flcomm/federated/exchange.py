@@ -18,6 +18,13 @@ Modes (what a bucket's ``pack`` writes and its ``unpack`` does with the average)
 
 A bucket whose average is not finite is not applied; :attr:`ExchangeResult.bad_buckets` lists it.
 
+Sharded across replicas (FL+HSDP, R > 1 replicas of each shard inside a group): replica r
+exchanges only slice r (1/R) of every bucket over the fed group, with the codec and the error
+feedback of that slice, and the averaged slices are all-gathered over a private replicate group
+(:func:`replicate_transport`) before the unpack; every replica then applies the same whole
+bucket. Inter-group bytes per rank drop by R; the all-gather adds (R-1)/R of the bucket inside
+the group.
+
 Offload: the anchors, own deltas, momentum and residuals may live in host memory (pinned on
 CUDA); each bucket's pieces are then staged through the device while it is packed or applied,
 so the device holds two buckets beyond the model.
@@ -25,6 +32,7 @@ so the device holds two buckets beyond the model.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,14 +46,51 @@ if TYPE_CHECKING:
     from flcomm.comm.base import Transport
     from flcomm.comm.engine import Job
     from flcomm.federated.outer import OuterOptimizer
+    from flcomm.federated.topology import FedMesh
 
-__all__ = ["DeltaExchange", "ExchangeResult", "flat_views", "resolve_codec"]
+__all__ = ["DeltaExchange", "ExchangeResult", "flat_views", "replicate_transport", "resolve_codec"]
 
 
 def resolve_codec(codec: str | Codec) -> Codec:
     """The codec object for a name or a :class:`~flcomm.codecs.Codec` (kept as given, so its
     block size survives); ValueError naming the known codecs otherwise."""
     return get_codec(codec)
+
+
+def replicate_transport(mesh: "FedMesh", sharded: bool | None) -> "Transport | None":
+    """The transport a sharded exchange gathers its slices over, or None when it does not shard:
+    ``sharded`` None means "when the topology has R > 1 replicas" (FL+HSDP); False never; True
+    when R > 1 (with R = 1 there is nothing to shard).
+
+    Collective: every rank calls it with the same ``sharded``. The first call on a mesh creates a
+    private process group per replicate-dim group (with the mesh's timeout), counting into the
+    mesh's stats on the replicate dim's tier; later calls reuse it (the exchanges of one engine
+    lane run one after another, as they share the fed group).
+
+    NOTE: not the mesh's own replicate group: HSDP all-reduces gradients on that one from the
+    training loop, and an overlapped exchange issuing there from the engine's thread would
+    interleave with it differently on different ranks.
+    """
+    if sharded is not None and not isinstance(sharded, bool):
+        raise TypeError(f"sharded_exchange must be None, True or False, got {sharded!r}")
+    topo = mesh.topology
+    if sharded is False or topo.num_replicas == 1 or not topo.federated:
+        return None
+    if mesh not in _REPLICATE:
+        import torch.distributed as dist
+
+        from flcomm.comm.torch_pg import TorchTransport
+
+        mine = None
+        for ranks in topo.dim_groups("replicate"):  # NOTE: every rank creates every group, in order
+            g = dist.new_group(ranks, timeout=mesh.timeout, use_local_synchronization=False)
+            if mesh.rank in ranks:
+                mine = g
+        _REPLICATE[mesh] = TorchTransport(mine, mesh.tier("replicate"), mesh.stats, mesh.timeout)
+    return _REPLICATE[mesh]
+
+
+_REPLICATE: "weakref.WeakKeyDictionary[FedMesh, Transport]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -67,13 +112,16 @@ class DeltaExchange:
         own: per tensor, the own delta / pending correction (overlap), else None.
         outer: the outer optimizer; ``momentum_index[i]`` is tensor i's momentum buffer (or None:
             buffers and non-parameters take the plain average).
+        replicate: the replicas' private group (:func:`replicate_transport`): exchange one slice
+            per replica and all-gather (module docstring); None exchanges everything.
     """
 
     def __init__(self, transport: "Transport", tensors: list[Tensor], *, codec: Codec, bucket_mb: float,
                  error_feedback: bool, in_place: bool, anchors: list[Tensor] | None = None,
                  own: list[Tensor] | None = None, outer: "OuterOptimizer | None" = None,
                  momentum_index: list[int | None] | None = None, offload: bool = False,
-                 residual_dtype: torch.dtype = torch.float32, staging: list | None = None) -> None:
+                 residual_dtype: torch.dtype = torch.float32, staging: list | None = None,
+                 replicate: "Transport | None" = None) -> None:
         self.codec, self.in_place = codec, in_place
         self.anchors, self.own, self.outer = anchors, own, outer
         self.momentum_index = momentum_index or [None] * len(tensors)
@@ -81,7 +129,8 @@ class DeltaExchange:
             raise ValueError("the delta modes need the anchors")
         self.bar = BucketedAllReduce(transport, tensors, codec=codec, bucket_mb=bucket_mb,
                                      error_feedback=error_feedback, op="avg", keep_dtype=in_place,
-                                     offload=offload, residual_dtype=residual_dtype, staging=staging)
+                                     offload=offload, residual_dtype=residual_dtype, staging=staging,
+                                     replicate=replicate)
 
     @property
     def work_dtypes(self) -> list[torch.dtype]:

@@ -73,7 +73,8 @@ from flcomm.codecs import Codec
 from flcomm.collectives.bucketing import bucket_dtype, new_staging
 from flcomm.comm.engine import Job, get_engine
 from flcomm.enums import Choice
-from flcomm.federated.exchange import DeltaExchange, ExchangeResult, flat_views, resolve_codec
+from flcomm.federated.exchange import (DeltaExchange, ExchangeResult, flat_views, replicate_transport,
+                                       resolve_codec)
 from flcomm.federated.outer import Outer, OuterOptimizer
 from flcomm.federated.shards import collect_slots, fingerprint, is_dtensor
 
@@ -161,6 +162,10 @@ class FedAvg:
             ``(step - k E / K) % E == 0`` (Streaming DiLoCo), so each sync moves 1/K of the shard.
         offload: ``"cpu"`` keeps the anchor, own delta, outer momentum and residuals in host
             memory (pinned on CUDA), streamed through the buckets during a sync.
+        sharded_exchange: FL+HSDP (R > 1 replicas of each shard in a group): replica r exchanges
+            only slice r of every bucket over the fed group and the slices are all-gathered inside
+            the group (:mod:`flcomm.federated.exchange`), so inter-group bytes drop by R. None
+            (default): on when R > 1; False: every replica exchanges its whole shard.
         optimizer: the inner optimizer (needed by ``inner_state`` average / reset).
         sync_init: broadcast the model from federation group 0 at construction, so all groups
             start from one point (the algorithm assumes it).
@@ -177,7 +182,8 @@ class FedAvg:
                  outer_momentum: float = 0.9, inner_state: str = "keep", overlap: bool = False,
                  overlap_steps: int = 1, bucket_mb: float = 25.0,
                  optimizer: torch.optim.Optimizer | None = None, sync_init: bool = True,
-                 offload: str | None = None, residual_dtype: str = "fp32", fragments: int = 1) -> None:
+                 offload: str | None = None, residual_dtype: str = "fp32", fragments: int = 1,
+                 sharded_exchange: bool | None = None) -> None:
         self._check_args(sync_every, bucket_mb, overlap_steps)
         if not isinstance(fragments, int) or isinstance(fragments, bool) or fragments < 1 or sync_every % fragments:
             raise ValueError(f"fragments (K) must be an integer >= 1 that divides sync_every={sync_every}, "
@@ -209,6 +215,7 @@ class FedAvg:
         self.overlap = bool(overlap)
         self.overlap_steps = overlap_steps if self.overlap else 0
         self.bucket_mb = float(bucket_mb)
+        self.sharded_exchange = sharded_exchange
         # NOTE: the paper's mode averages the shards themselves, in place: nothing to keep
         self.in_place = (self.codec == "none" and self.outer_kind is Outer.AVG and not self.overlap
                          and not self.error_feedback)
@@ -280,6 +287,7 @@ class FedAvg:
         parts = partition([s.numel for s in self.slots], self.fragments) if self.slots else [[]]
         # NOTE: the fragments' exchanges run one after another in the engine: one staging pool
         staging = new_staging()
+        self.replicate = replicate_transport(mesh, self.sharded_exchange)  # None: not sharded
         for f, part in enumerate(parts):
             # NOTE: empty shards (FSDP uneven sharding) are left out of the exchange; the fed
             # peers hold the same shard coordinates, so they leave out the same ones.
@@ -290,7 +298,7 @@ class FedAvg:
                 anchors=None if self.in_place else [self._anchor[i] for i in x],
                 own=None if self._own is None else [self._own[i] for i in x], outer=self._outer,
                 momentum_index=[mom[i] for i in x], offload=self.offload is not None,
-                residual_dtype=self.residual_dtype, staging=staging) if x else None
+                residual_dtype=self.residual_dtype, staging=staging, replicate=self.replicate) if x else None
             flags = torch.zeros(len(self.fed_ranks), dtype=torch.int32, device=self.device)
             self._frags.append(_Fragment(f, f * self.sync_every // self.fragments, part, x, ex, flags))
         self._engine = get_engine(self.device, "exchange")
