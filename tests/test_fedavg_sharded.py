@@ -89,6 +89,16 @@ def _exchange_worker(rank: int, world: int) -> dict:
             with pytest.raises(ValueError, match="replicas"):
                 plain.load_state_dict(sd)
             out[codec]["residual_nonzero"] = all(bool(r.abs().sum() > 0) for r in shard.bar.residuals())
+    # the paper's mode, in place in bf16, many buckets (tensors span buckets and slices)
+    from flcomm.comm.engine import get_engine
+    from flcomm.federated.exchange import DeltaExchange, resolve_codec
+
+    c = fm.coords
+    loc = [t.round().to(torch.bfloat16) for t in _data(c.group, c.shard, "inplace")]
+    ex = DeltaExchange(fm.transport("fed"), loc, codec=resolve_codec("none"), bucket_mb=300 * 4 / 2**20,
+                       error_feedback=False, in_place=True, replicate=rep)
+    get_engine("cpu").submit(lambda j: ex.run(j, loc), "test in place").wait(120)
+    out["inplace_bf16"] = (loc, ex.bar.num_buckets)
     # the bookkeeping helper agrees with the formula (one home for wire bytes)
     assert wire_bytes("all_gather", 4 * N, R) == (R - 1) * 4 * N // R
     out["coords"] = (fm.coords.group, fm.coords.replica, fm.coords.shard)
@@ -242,6 +252,18 @@ def test_exchange_average_and_bytes_drop_by_R(results):
                 torch.testing.assert_close(q.double(), w, rtol=0, atol=tol)
                 if codec == "none":
                     torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
+
+
+def test_in_place_bf16_many_buckets(results):
+    for out in _part(results, "exchange"):
+        g, _, s = out["coords"]
+        got, buckets = out["inplace_bf16"]
+        assert buckets > 10
+        want = [sum(ts[i].round().double() for ts in (_data(f, s, "inplace") for f in range(F))) / F
+                for i in range(len(SHAPES))]
+        for t, w in zip(got, want):
+            assert t.dtype == torch.bfloat16
+            assert torch.equal(t, w.to(torch.bfloat16))  # integer halves: exact in bf16
 
 
 def test_fedavg_sharded_matches_simulation(results):
