@@ -13,6 +13,7 @@ private replicate group.
 * Every lossy codec (with and without error feedback) stays within the stated codec tolerance
   of the unsharded exchange, with R times fewer inter-group bytes.
 * state_dict / load_state_dict of the sharded residuals resumes bit for bit.
+* A non-finite shard in one group is refused on every rank of every group.
 """
 
 from __future__ import annotations
@@ -200,10 +201,29 @@ def _roundtrip_worker(rank: int, world: int) -> dict:
     return {"without_state_diff": max((got[n] - want[n]).abs().max().item() for n in want)}
 
 
+def _nan_worker(rank: int, world: int) -> dict:
+    """Group 1's shards (both replicas, as HSDP keeps them) turn NaN: every rank refuses."""
+    from flcomm.federated.fedavg import FedAvg, NonFiniteAverageError
+
+    fm, model, opt = _build(world, F, S, "fsdp2", mesh=_mesh(world, F, S))
+    fed = FedAvg(model, fm, sync_every=1, codec="int8", error_feedback=True)
+    _train(fm, model, opt, None, range(1, 2))
+    if fm.coords.group == 1:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.to_local().numel():
+                    p.to_local().view(-1)[0] = float("nan")
+    try:
+        fed.step()
+    except NonFiniteAverageError as e:
+        return {"bad_ranks": e.bad_ranks, "message": str(e)}
+    return {"bad_ranks": None}
+
+
 # NOTE: one spawned run for every part (spawning 8 ranks costs more than most checks); each test
 # reads its own part, and a part that raised fails only its test.
 PARTS = (("exchange", _exchange_worker), ("sim", _sim_worker), ("codecs", _codecs_worker),
-         ("roundtrip", _roundtrip_worker))
+         ("roundtrip", _roundtrip_worker), ("nan", _nan_worker))
 
 
 def _all_worker(rank: int, world: int) -> dict:
@@ -285,3 +305,10 @@ def test_codecs_within_tolerance_of_unsharded_with_R_times_fewer_inter_group_byt
 def test_state_dict_round_trip_of_the_sharded_residuals(results):
     res = _part(results, "roundtrip")
     assert all(o["without_state_diff"] > 1e-6 for o in res)
+
+
+def test_non_finite_shard_is_refused_on_every_rank(results):
+    res = _part(results, "nan")
+    group1 = list(range(WORLD // F, WORLD))  # contiguous groups: ranks 4..7
+    for o in res:
+        assert o["bad_ranks"] is not None and set(o["bad_ranks"]) <= set(group1) and o["bad_ranks"], o
