@@ -13,6 +13,7 @@ private replicate group.
 * Every lossy codec (with and without error feedback) stays within the stated codec tolerance
   of the unsharded exchange, with R times fewer inter-group bytes.
 * state_dict / load_state_dict of the sharded residuals resumes bit for bit.
+* A non-finite shard in one group is refused on every rank of every group.
 """
 
 from __future__ import annotations
@@ -89,6 +90,16 @@ def _exchange_worker(rank: int, world: int) -> dict:
             with pytest.raises(ValueError, match="replicas"):
                 plain.load_state_dict(sd)
             out[codec]["residual_nonzero"] = all(bool(r.abs().sum() > 0) for r in shard.bar.residuals())
+    # the paper's mode, in place in bf16, many buckets (tensors span buckets and slices)
+    from flcomm.comm.engine import get_engine
+    from flcomm.federated.exchange import DeltaExchange, resolve_codec
+
+    c = fm.coords
+    loc = [t.round().to(torch.bfloat16) for t in _data(c.group, c.shard, "inplace")]
+    ex = DeltaExchange(fm.transport("fed"), loc, codec=resolve_codec("none"), bucket_mb=300 * 4 / 2**20,
+                       error_feedback=False, in_place=True, replicate=rep)
+    get_engine("cpu").submit(lambda j: ex.run(j, loc), "test in place").wait(120)
+    out["inplace_bf16"] = (loc, ex.bar.num_buckets)
     # the bookkeeping helper agrees with the formula (one home for wire bytes)
     assert wire_bytes("all_gather", 4 * N, R) == (R - 1) * 4 * N // R
     out["coords"] = (fm.coords.group, fm.coords.replica, fm.coords.shard)
@@ -190,10 +201,29 @@ def _roundtrip_worker(rank: int, world: int) -> dict:
     return {"without_state_diff": max((got[n] - want[n]).abs().max().item() for n in want)}
 
 
+def _nan_worker(rank: int, world: int) -> dict:
+    """Group 1's shards (both replicas, as HSDP keeps them) turn NaN: every rank refuses."""
+    from flcomm.federated.fedavg import FedAvg, NonFiniteAverageError
+
+    fm, model, opt = _build(world, F, S, "fsdp2", mesh=_mesh(world, F, S))
+    fed = FedAvg(model, fm, sync_every=1, codec="int8", error_feedback=True)
+    _train(fm, model, opt, None, range(1, 2))
+    if fm.coords.group == 1:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.to_local().numel():
+                    p.to_local().view(-1)[0] = float("nan")
+    try:
+        fed.step()
+    except NonFiniteAverageError as e:
+        return {"bad_ranks": e.bad_ranks, "message": str(e)}
+    return {"bad_ranks": None}
+
+
 # NOTE: one spawned run for every part (spawning 8 ranks costs more than most checks); each test
 # reads its own part, and a part that raised fails only its test.
 PARTS = (("exchange", _exchange_worker), ("sim", _sim_worker), ("codecs", _codecs_worker),
-         ("roundtrip", _roundtrip_worker))
+         ("roundtrip", _roundtrip_worker), ("nan", _nan_worker))
 
 
 def _all_worker(rank: int, world: int) -> dict:
@@ -244,6 +274,18 @@ def test_exchange_average_and_bytes_drop_by_R(results):
                     torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
 
 
+def test_in_place_bf16_many_buckets(results):
+    for out in _part(results, "exchange"):
+        g, _, s = out["coords"]
+        got, buckets = out["inplace_bf16"]
+        assert buckets > 10
+        want = [sum(ts[i].round().double() for ts in (_data(f, s, "inplace") for f in range(F))) / F
+                for i in range(len(SHAPES))]
+        for t, w in zip(got, want):
+            assert t.dtype == torch.bfloat16
+            assert torch.equal(t, w.to(torch.bfloat16))  # integer halves: exact in bf16
+
+
 def test_fedavg_sharded_matches_simulation(results):
     res = _part(results, "sim")
     assert max(max(o["worst"]) for o in res) < ATOL * 10
@@ -263,3 +305,10 @@ def test_codecs_within_tolerance_of_unsharded_with_R_times_fewer_inter_group_byt
 def test_state_dict_round_trip_of_the_sharded_residuals(results):
     res = _part(results, "roundtrip")
     assert all(o["without_state_diff"] > 1e-6 for o in res)
+
+
+def test_non_finite_shard_is_refused_on_every_rank(results):
+    res = _part(results, "nan")
+    group1 = list(range(WORLD // F, WORLD))  # contiguous groups: ranks 4..7
+    for o in res:
+        assert o["bad_ranks"] is not None and set(o["bad_ranks"]) <= set(group1) and o["bad_ranks"], o

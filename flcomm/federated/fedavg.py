@@ -165,7 +165,8 @@ class FedAvg:
         sharded_exchange: FL+HSDP (R > 1 replicas of each shard in a group): replica r exchanges
             only slice r of every bucket over the fed group and the slices are all-gathered inside
             the group (:mod:`flcomm.federated.exchange`), so inter-group bytes drop by R. None
-            (default): on when R > 1; False: every replica exchanges its whole shard.
+            (default) or True: on when R > 1; False: every replica exchanges its whole shard.
+            The replicas must hold identical shards (HSDP, or DDP inside the group).
         optimizer: the inner optimizer (needed by ``inner_state`` average / reset).
         sync_init: broadcast the model from federation group 0 at construction, so all groups
             start from one point (the algorithm assumes it).
