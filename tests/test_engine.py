@@ -91,11 +91,10 @@ def test_comm_thread_caps_its_intra_op_threads_only():
 
 
 def _hier_advances(rank: int, world: int) -> dict:
-    from flcomm.collectives.hierarchical import Hierarchy
     from flcomm.federated.topology import Topology
 
     mesh = Topology(world, 2).build()
-    h = Hierarchy.from_mesh(mesh, "shard")
+    h = mesh.hierarchy("shard")
     mine = torch.full((1000,), float(rank))
     full = torch.empty(world * 1000)
     job = h.all_gather(full, mine, async_op=True)  # stage 2 (intra-node) needs stage 1's result
