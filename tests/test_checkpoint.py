@@ -95,7 +95,8 @@ def test_crash_during_save_leaves_last_checkpoint_loadable(scenario):
         assert [d for d in out["listing_final"] if d.startswith("step_")] == ["step_00000006", "step_00000008"]
     meta = ckpt.read_meta(os.path.join(b_dir, "step_00000008"))
     assert meta["step"] == 8 and meta["strategy"] == "fl-fsdp"
-    assert meta["topology"] == {"world_size": 4, "ranks_per_node": 2, "group_size": 2, "shard_size": 2}
+    assert meta["topology"] == {"world_size": 4, "ranks_per_node": 2, "group_size": 2, "shard_size": 2,
+                                "mesh_shape": [2, 1, 2], "node_groups": None}
 
 
 def test_checkpoint_from_another_topology_or_model_is_refused(scenario):
