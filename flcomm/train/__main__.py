@@ -115,7 +115,10 @@ def cmd_train(argv: Sequence[str]) -> int:
         return _torchrun_rank(cfg)
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc must be an integer >= 1, got {args.nproc}")
-    launch_local(cfg, args.nproc or 1)
+    # NOTE: fork: this process has not touched torch's thread pools or CUDA, and a fresh
+    # interpreter importing torch per rank costs seconds of start-up per rank
+    start = os.environ.get("FLCOMM_START_METHOD", "fork" if sys.platform == "linux" else "spawn")
+    launch_local(cfg, args.nproc or 1, start_method=start)
     return 0
 
 

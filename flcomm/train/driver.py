@@ -475,9 +475,17 @@ def build_run(cfg: TrainConfig, monitor: Monitor) -> Run:
             "data_name": cfg.data or BUILTIN_CORPUS, **sizes,
             "fsdp_bytes_per_step": {t.value: b for t, b in traffic.bytes_per_step.items()}}
     run = Run(cfg, rank, device, topo, mesh, model, optimizer, traffic, fed, loader, held, meta, info, monitor)
+    monitor.poison = lambda: _poison(model)
     if cfg.resume:
         _resume(run)
     return run
+
+
+@torch.no_grad()
+def _poison(model: nn.Module) -> None:
+    """NaN into this rank's parameters (the fault tests' "nan" action)."""
+    for p in model.parameters():
+        p.fill_(float("nan"))
 
 
 def _resume(run: Run) -> None:

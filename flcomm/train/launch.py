@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from flcomm.train.driver import TrainConfig, TrainResult, _pos_int, check_before_launch, train
-from flcomm.train.monitor import Monitor, describe, first_failure, log_path, process_state, read_heartbeat
+from flcomm.train.monitor import (Monitor, describe, first_failure, heartbeat_path, log_path, process_state,
+                                  read_heartbeat)
 
 MASTER_ADDR = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
@@ -84,8 +85,13 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _local_worker(rank: int, world: int, port: int, threads: int, cfg: TrainConfig, parent: int) -> None:
+def _local_worker(rank: int, world: int, port: int, threads: int, cfg: TrainConfig, parent: int,
+                  inherited_fd: int = -1) -> None:
     die_with_parent(parent)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # NOTE: not the launcher's (fork)
+        signal.signal(sig, signal.SIG_DFL)
+    if inherited_fd >= 0:
+        os.close(inherited_fd)  # the launcher's listening socket (fork)
     os.environ.update({"MASTER_ADDR": MASTER_ADDR, "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(cfg.ranks_per_node or world)})
@@ -108,18 +114,23 @@ def _local_worker(rank: int, world: int, port: int, threads: int, cfg: TrainConf
     os._exit(code)
 
 
-def bound_store(addr: str, world_size: int, timeout: timedelta) -> "dist.TCPStore":
-    """A TCPStore server listening on ``addr`` only, on a port the kernel picks (read back
-    with ``.port``)."""
-    # NOTE: TCPStore(host, 0, is_master=True) would listen on every interface (its server binds
-    # the wildcard address); a socket bound here and handed over listens where we say.
+def listen_socket(addr: str) -> socket.socket:
+    """A socket listening on ``addr`` only, on a port the kernel picks (``getsockname()[1]``)."""
     sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
     sock.bind((addr, 0))
     sock.listen(128)
+    return sock
+
+
+def bound_store(addr: str, world_size: int, timeout: timedelta, sock: socket.socket | None = None) -> "dist.TCPStore":
+    """A TCPStore server listening on ``addr`` only (on ``sock`` when given, else on a port
+    the kernel picks; read it back with ``.port``)."""
+    # NOTE: TCPStore(host, 0, is_master=True) would listen on every interface (its server binds
+    # the wildcard address); a socket bound here and handed over listens where we say.
+    sock = sock or listen_socket(addr)
     port = sock.getsockname()[1]
-    store = dist.TCPStore(addr, port, world_size, is_master=True, wait_for_workers=False, timeout=timeout,
-                          master_listen_fd=sock.detach())
-    return store
+    return dist.TCPStore(addr, port, world_size, is_master=True, wait_for_workers=False, timeout=timeout,
+                         master_listen_fd=sock.detach())
 
 
 def _forward_signals(procs: list) -> dict:
@@ -203,35 +214,48 @@ def _supervise(cfg: TrainConfig, procs: list, timeout_s: float | None) -> None:
     raise LaunchError(f"{msg}\nper-rank logs and heartbeats: {cfg.log_dir}")
 
 
-def launch_local(cfg: TrainConfig, nproc: int, timeout_s: float | None = None) -> None:
+def launch_local(cfg: TrainConfig, nproc: int, timeout_s: float | None = None,
+                 start_method: str = "spawn") -> None:
     """Run ``cfg`` on ``nproc`` local processes with gloo (CPU); see the module doc. Raises
-    :class:`LaunchError` naming the rank that failed first; no rank outlives the call."""
+    :class:`LaunchError` naming the rank that failed first; no rank outlives the call.
+
+    ``start_method`` "fork" starts the ranks in a fraction of the time (no fresh interpreter
+    importing torch each); only safe from a process that has not used torch's thread pools
+    or CUDA, like the command line's. The store's server starts after the fork."""
     import torch.multiprocessing as mp
 
     _pos_int("nproc", nproc)
     if cfg.backend == "nccl":
         raise ValueError("--nproc launches local CPU processes with gloo; for NCCL use torchrun")
+    if start_method not in ("spawn", "fork", "forkserver"):
+        raise ValueError(f"start_method must be spawn, fork or forkserver, got {start_method!r}")
     cfg = replace(cfg, backend="gloo", ranks_per_node=cfg.ranks_per_node or nproc,
                   log_dir=cfg.log_dir or tempfile.mkdtemp(prefix="flcomm-run-"))
     check_before_launch(cfg, nproc)
     os.makedirs(cfg.log_dir, exist_ok=True)
     for r in range(nproc):  # NOTE: a previous run's records would confuse who failed first
-        for path in (os.path.join(cfg.log_dir, f"rank{r}.hb"),):
-            if os.path.exists(path):
-                os.remove(path)
-    store = bound_store(MASTER_ADDR, nproc + 1, timedelta(seconds=cfg.timeout_s))
+        path = heartbeat_path(cfg.log_dir, r)
+        if os.path.exists(path):
+            os.remove(path)
+    sock = listen_socket(MASTER_ADDR)
+    port, fd = sock.getsockname()[1], sock.fileno()
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_local_worker, args=(r, nproc, store.port, threads, cfg, os.getpid()),
-                         daemon=False) for r in range(nproc)]
+    ctx = mp.get_context(start_method)
+    procs = [ctx.Process(target=_local_worker, daemon=False,
+                         args=(r, nproc, port, threads, cfg, os.getpid(), fd if start_method == "fork" else -1))
+             for r in range(nproc)]
     old = _forward_signals(procs)
+    store = None
     try:
         for p in procs:
             p.start()
+        store = bound_store(MASTER_ADDR, nproc + 1, timedelta(seconds=cfg.timeout_s), sock)
         _supervise(cfg, procs, timeout_s)
     finally:
         if any(p.exitcode is None for p in procs if p.pid is not None):
             _stop([p for p in procs if p.pid is not None], grace_s=2.0)
         for sig, h in old.items():
             signal.signal(sig, h)
+        if store is None:
+            sock.close()
         del store

@@ -15,8 +15,8 @@ failing rank names the peer of its group whose process is gone or stopped (same 
 the peer that reported first.
 
 Fault injection for the fault tests: ``FLCOMM_FAULT="RANK:STEP:PHASE:ACTION"`` (ACTION kill,
-freeze or raise) makes rank RANK kill itself (SIGKILL), stop itself (SIGSTOP) or raise
-when it enters PHASE at STEP, after that phase's heartbeat is written (a checkpoint
+freeze, raise or nan) makes rank RANK kill itself (SIGKILL), stop itself (SIGSTOP), raise, or
+fill its parameters with NaN when it enters PHASE at STEP, after that phase's heartbeat is written (a checkpoint
 fault fires inside the save, after the rank's files are written).
 """
 
@@ -28,6 +28,7 @@ import signal
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 PHASES = {  # phase -> what talks over which group (for the messages)
@@ -67,13 +68,16 @@ class Fault:
             f = cls(int(r), int(s), ph, act)
         except ValueError:
             raise ValueError(f"{FAULT_ENV} must be RANK:STEP:PHASE:ACTION, got {spec!r}") from None
-        if f.phase not in PHASES or f.action not in ("kill", "freeze", "raise"):
+        if f.phase not in PHASES or f.action not in ("kill", "freeze", "raise", "nan"):
             raise ValueError(f"{FAULT_ENV}={spec!r}: phase must be one of {', '.join(PHASES)} and action "
-                             "kill, freeze or raise")
+                             "kill, freeze, raise or nan")
         return f
 
-    def fire(self) -> None:
-        if self.action == "kill":
+    def fire(self, poison: "Callable[[], None] | None" = None) -> None:
+        if self.action == "nan":
+            if poison is not None:
+                poison()
+        elif self.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.action == "freeze":
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -142,6 +146,7 @@ class Monitor:
         self.phase_t = time.time()
         self.fault = Fault.from_env()
         self._host = socket.gethostname()
+        self.poison: Callable[[], None] | None = None  # what the "nan" fault does (the driver sets it)
         self._fd = -1 if log_dir is None else os.open(heartbeat_path(log_dir, rank), os.O_WRONLY | os.O_CREAT, 0o644)
         self.message: str | None = None  # the one-line report of this rank's failure
         self._write("run")
@@ -155,7 +160,7 @@ class Monitor:
         self._write("run")
         f = self.fault
         if f is not None and f.rank == self.rank and f.step == step and f.phase == phase and phase != "checkpoint":
-            f.fire()  # NOTE: a checkpoint fault fires inside the save, after its files are written
+            f.fire(self.poison)  # NOTE: a checkpoint fault fires inside the save, after its files are written
 
     def group_of(self, phase: str) -> tuple[str, list[int]]:
         name = PHASES.get(phase, ("", "world"))[1]
@@ -193,6 +198,14 @@ class Monitor:
     def _peer(self, ranks: list[int]) -> str:
         """The peer of ``ranks`` to blame: one whose process is gone or stopped (when it runs on
         this host), else the one that reported an error first; "" when none is known."""
+        for _ in range(5):  # NOTE: a peer's death reaches us (a reset connection) before its exit completes
+            found = self._blame(ranks)
+            if found:
+                return found
+            time.sleep(0.2)
+        return ""
+
+    def _blame(self, ranks: list[int]) -> str:
         host = socket.gethostname()
         errors, gone = [], []
         for r in ranks:
