@@ -10,8 +10,9 @@ Cases: {kill, freeze} x {forward, backward (reduce-scatter), FedAvg exchange, ch
 x strategy, under the built-in launcher (``--nproc 4``) and as four separate ranks (each its
 own ``python -m flcomm.train`` with torchrun's environment variables, rank 0 hosting the
 store), plus the launcher itself killed with SIGTERM and SIGKILL. Columns: the case, the exit
-code, seconds from the fault until the last rank ended, whether that stayed within the bound
-(2 x the collective timeout, plus the launcher's 2 s stop grace), whether the message names
+code, seconds from the fault until the last rank ended and until the launcher ended, whether
+that stayed within the bound (2 x the collective timeout for the ranks, 10 s more for the
+launcher), whether the message names
 the failed rank and the phase, processes left behind, and the newest complete checkpoint's
 step (verified against its hashes). ``hangs`` and ``orphans`` in the last line must be 0.
 """
@@ -32,15 +33,17 @@ PHASES = {"forward": (3, "forward"), "backward": (3, "backward"), "fedavg": (4, 
           "checkpoint": (4, "checkpoint")}  # case -> (step, monitor phase); E = 2, saves every 2
 PHASE_WORDS = {"forward": "forward", "backward": "backward", "fedavg": "FedAvg", "checkpoint": "checkpoint"}
 FAULTY_RANK = 1
+LAUNCHER_SLACK_S = 10.0  # the launcher's own end: stopping a frozen rank, interpreter exit
 
 
-def train_args(strategy: str, timeout_s: float, steps: int = 6) -> list[str]:
-    """A tiny 4-rank run: 2 emulated nodes of 2, FedAvg every 2 steps, a checkpoint every 2."""
+def train_args(strategy: str, timeout_s: float, steps: int = 6, ckpt_dir: str | None = None) -> list[str]:
+    """A tiny 4-rank run: 2 emulated nodes of 2, FedAvg every 2 steps, a checkpoint every 2
+    (with ``ckpt_dir``)."""
     args = ["--strategy", strategy, "--ranks-per-node", "2", "--model", "tiny", "--steps", str(steps),
             "--batch-size", "2", "--seq-len", "32", "--max-tokens", "100000", "--sync-every", "2",
-            "--eval-batches", "1", "--eval-fraction", "0.05", "--warmup", "1", "--save-every", "2",
-            "--timeout-s", str(timeout_s), "--no-progress"]
-    return args
+            "--eval-batches", "1", "--eval-fraction", "0.05", "--warmup", "1", "--timeout-s", str(timeout_s),
+            "--no-progress"]
+    return args + (["--checkpoint-dir", ckpt_dir, "--save-every", "2"] if ckpt_dir else [])
 
 
 @dataclass
@@ -48,6 +51,7 @@ class CaseResult:
     case: str
     rc: int | None = None
     seconds: float | None = None      # from the fault (or the launcher's kill) to the last rank's end
+    launcher_s: float | None = None   # from the fault to the launcher's (or the last process's) exit
     bound_s: float = 0.0
     within_bound: bool = False
     names_rank: bool = False
@@ -124,9 +128,9 @@ def run_rank_fault(strategy: str, action: str, phase: str, workdir: str, timeout
     """Rank 1 ``action`` (kill | freeze) when it enters ``phase`` (a key of PHASES)."""
     step, mphase = PHASES[phase]
     name = f"{strategy} {'4 ranks' if separate else 'launcher'} {action} {phase}"
-    res = CaseResult(name, bound_s=2 * timeout_s + 2.0)
+    res = CaseResult(name, bound_s=2 * timeout_s)
     log_dir, ckpt_dir = os.path.join(workdir, "log"), os.path.join(workdir, "ckpt")
-    args = train_args(strategy, timeout_s) + ["--checkpoint-dir", ckpt_dir, "--log-dir", log_dir]
+    args = train_args(strategy, timeout_s, ckpt_dir=ckpt_dir) + ["--log-dir", log_dir]
     env = _env(FLCOMM_FAULT=f"{FAULTY_RANK}:{step}:{mphase}:{action}")
     t_launch = time.time()
     if separate:
@@ -151,14 +155,16 @@ def run_rank_fault(strategy: str, action: str, phase: str, workdir: str, timeout
     res.message = (errs[0] if not separate else "\n".join(errs)).strip()
     fault = hbs.get(FAULTY_RANK)
     if fault is not None and fault.get("step") == step:
-        # NOTE: the faulty rank's last heartbeat is the phase it faulted in; the others end
-        # within the bound after it (separate ranks: their error records tell when)
-        ends = [t_end] if not separate else [float(h["t"]) for r, h in hbs.items()
-                                              if h and r != FAULTY_RANK and h.get("state") == "error"]
+        # NOTE: the faulty rank's last heartbeat is the phase it faulted in; every other rank
+        # writes its error record right before it exits
+        ends = [float(h["t"]) if h and h.get("state") == "error" else t_end
+                for r, h in hbs.items() if r != FAULTY_RANK]
         res.seconds = max(ends) - float(fault["t"])
+        res.launcher_s = t_end - float(fault["t"])
     else:
-        res.seconds = t_end - t_launch
-    res.within_bound = res.seconds is not None and res.seconds <= res.bound_s and not res.hang
+        res.seconds = res.launcher_s = t_end - t_launch
+    res.within_bound = (res.seconds <= res.bound_s and res.launcher_s <= res.bound_s + LAUNCHER_SLACK_S
+                        and not res.hang)
     res.names_rank = f"rank {FAULTY_RANK}" in res.message
     res.names_phase = PHASE_WORDS[phase] in res.message
     res.checkpoint_step = _latest_step(ckpt_dir)
@@ -200,8 +206,7 @@ def run_launcher_kill(strategy: str, sig: int, workdir: str, timeout_s: float = 
 
     res = CaseResult(f"{strategy} launcher {signal.Signals(sig).name}", bound_s=5.0)
     log_dir = os.path.join(workdir, "log")
-    args = train_args(strategy, timeout_s, steps=200) + ["--log-dir", log_dir, "--checkpoint-dir",
-                                                         os.path.join(workdir, "ckpt")]
+    args = train_args(strategy, timeout_s, steps=200) + ["--log-dir", log_dir]
     p = subprocess.Popen([sys.executable, "-m", "flcomm.train", "--nproc", "4", *args], env=_env(),
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + wall_s
@@ -221,6 +226,7 @@ def run_launcher_kill(strategy: str, sig: int, workdir: str, timeout_s: float = 
     while time.time() - t0 < res.bound_s + 5 and (left := _alive(pids)):
         time.sleep(0.05)
     res.seconds = time.time() - t0
+    res.launcher_s = res.seconds
     res.rc = p.returncode
     res.rank_pids = pids
     res.orphans = len(_reap(pids + _pgroup(p.pid), 0.0))
@@ -251,10 +257,11 @@ def run(case: tuple, timeout_s: float) -> CaseResult:
 
 
 def format_table(rows: list[CaseResult]) -> str:
-    head = f"{'case':<36} {'rc':>4} {'end s':>6} {'bound':>6} {'ok':>3} {'rank':>5} {'phase':>6} {'orph':>5} {'ckpt':>5}"
+    head = (f"{'case':<36} {'rc':>4} {'ranks s':>7} {'launch s':>8} {'bound':>6} {'ok':>3} {'rank':>5} "
+            f"{'phase':>6} {'orph':>5} {'ckpt':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.case:<36} {str(r.rc):>4} {r.seconds or 0:>6.1f} {r.bound_s:>6.1f} "
+        lines.append(f"{r.case:<36} {str(r.rc):>4} {r.seconds or 0:>7.1f} {r.launcher_s or 0:>8.1f} {r.bound_s:>6.1f} "
                      f"{'y' if r.within_bound else 'n':>3} {'y' if r.names_rank else 'n':>5} "
                      f"{'y' if r.names_phase else 'n':>6} {r.orphans:>5} {str(r.checkpoint_step):>5}")
     hangs = sum(r.hang or not r.within_bound for r in rows)

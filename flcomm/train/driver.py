@@ -323,6 +323,22 @@ def shard_model(model: Transformer, mesh: "FedMesh", mp_policy: Any = None) -> l
     return units
 
 
+STARTUP_TIMEOUT_S = 120.0
+
+
+def _startup_barrier(cfg: TrainConfig) -> None:
+    """Wait for every rank to have built its model and read its data, for up to
+    max(timeout_s, STARTUP_TIMEOUT_S); on gloo a rank that does not arrive is named."""
+    # NOTE: ranks build their models and read their data at different speeds (a loaded host,
+    # a slow file system); the first collective after that would otherwise time out after
+    # timeout_s, which is meant for a step's collectives.
+    t = timedelta(seconds=max(cfg.timeout_s, STARTUP_TIMEOUT_S))
+    if str(dist.get_backend()).lower() == "gloo":
+        dist.monitored_barrier(timeout=t, wait_all_ranks=True)
+    else:
+        dist.barrier()
+
+
 def _check_same_data(fp: int, device: torch.device) -> None:
     t = torch.tensor([fp, -fp], dtype=torch.int64, device=device)
     mx = t.clone()
@@ -433,6 +449,7 @@ def _build_data(cfg: TrainConfig, mesh: "FedMesh", device: torch.device):
     P = topo.world_size
     tokens = load_tokens(cfg.data, cfg.data_dtype, cfg.max_tokens)
     check_vocab(tokens, cfg.model_config().vocab_size, data_source(cfg.data))
+    _startup_barrier(cfg)
     _check_same_data(fingerprint(tokens), device)
     split = split_tokens(tokens, cfg.eval_fraction, P * cfg.batch_size * (cfg.seq_len + 1) + P)
     index = coords.group * topo.group_size + coords.index
