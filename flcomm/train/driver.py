@@ -717,7 +717,9 @@ def train(cfg: TrainConfig, return_params: bool = False, stop_after: int | None 
     try:
         return _train(cfg, mon, return_params, stop_after, _save_fault)
     except BaseException as e:
-        e.add_note(mon.fail(e))
+        msg = mon.fail(e)
+        if hasattr(e, "add_note"):  # NOTE: Python >= 3.11; the monitor keeps it either way
+            e.add_note(msg)
         raise
 
 

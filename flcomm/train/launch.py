@@ -149,8 +149,11 @@ def _forward_signals(procs: list) -> dict:
 def _stop(procs: list, grace_s: float) -> None:
     for p in procs:
         if p.exitcode is None:
-            p.terminate()
-            os.kill(p.pid, signal.SIGCONT)  # NOTE: a stopped (frozen) rank gets SIGTERM only when continued
+            try:
+                p.terminate()
+                os.kill(p.pid, signal.SIGCONT)  # NOTE: a stopped (frozen) rank gets SIGTERM only when continued
+            except ProcessLookupError:
+                pass
     deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -163,7 +163,13 @@ class Monitor:
             f.fire(self.poison)  # NOTE: a checkpoint fault fires inside the save, after its files are written
 
     def group_of(self, phase: str) -> tuple[str, list[int]]:
+        """The group ``phase`` talks over (FSDP's: "shard", or "replicate" when shards are single
+        ranks, as in HSDP with S = 1)."""
         name = PHASES.get(phase, ("", "world"))[1]
+        for alt in ("replicate", "group", "world"):
+            if name != "shard" or len(self.groups.get(name, [])) > 1:
+                break
+            name = alt
         return name, self.groups.get(name, self.groups["world"])
 
     def fail(self, exc: BaseException) -> str:
