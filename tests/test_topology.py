@@ -127,7 +127,7 @@ def test_fedmesh_groups_on_gloo():
         assert out["group_intra"][1] == [rank - rank % 2, rank - rank % 2 + 1]
 
 
-MESHES = {"fl-fsdp": Topology(4, 2, group_size=2), "fl-hsdp": Topology.fl_hsdp(4, 2, group_size=2)}
+MESHES = {"fl-fsdp": Topology(4, 2, group_size=2), "fl-hsdp": Topology(4, 2, group_size=2, shard_size=1)}
 
 
 def _frozen_peer(rank, world, timeout_s):
