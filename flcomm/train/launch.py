@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flcomm.train.driver import TrainConfig, TrainResult, _pos_int, check_before_launch, train
+from flcomm.train.driver import STARTUP_TIMEOUT_S, TrainConfig, TrainResult, _pos_int, check_before_launch, train
 from flcomm.train.monitor import (Monitor, describe, first_failure, heartbeat_path, log_path, process_state,
                                   read_heartbeat)
 
@@ -51,21 +51,33 @@ def _backend(cfg: TrainConfig) -> str:
 
 
 def worker_main(cfg: TrainConfig, store: Any = None, monitor: Monitor | None = None) -> TrainResult:
-    """One rank: under torchrun (env://: RANK, WORLD_SIZE, MASTER_ADDR/PORT) or, with
-    ``store``, inside :func:`launch_local`."""
+    """One rank: under torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT) or, with ``store``,
+    inside :func:`launch_local`."""
     backend = _backend(cfg)
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("--backend nccl needs CUDA GPUs; none is visible (use gloo on CPU)")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    kw: dict[str, Any] = {}
-    if store is not None:
-        kw = {"store": store, "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s), **kw)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if store is None:
+        store = _env_store(rank, world, cfg.timeout_s)
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s), store=store, rank=rank,
+                            world_size=world)
     try:
         return train(cfg, monitor=monitor)
     finally:
         dist.destroy_process_group()
+
+
+def _env_store(rank: int, world: int, timeout_s: float) -> "dist.TCPStore":
+    """torchrun's rendezvous store (MASTER_ADDR / MASTER_PORT; the agent's own store when
+    torchrun says so), waiting up to the start-up timeout for the ranks to join."""
+    # NOTE: env:// would wait only timeout_s for every rank to join, and ranks start (import
+    # torch, load CUDA) at different speeds; the collectives keep timeout_s.
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                         is_master=rank == 0 and not agent,
+                         timeout=timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)))
 
 
 def exit_code(e: BaseException) -> int:
@@ -100,7 +112,7 @@ def _local_worker(rank: int, world: int, port: int, threads: int, cfg: TrainConf
     mon = Monitor(cfg.log_dir, rank, world)
     try:
         store = dist.TCPStore(MASTER_ADDR, port, world + 1, is_master=False,
-                              timeout=timedelta(seconds=cfg.timeout_s))
+                              timeout=timedelta(seconds=max(cfg.timeout_s, STARTUP_TIMEOUT_S)))
         worker_main(cfg, store, mon)
         code = 0
     except BaseException as e:  # noqa: BLE001 - reported through the heartbeat and log file
