@@ -12,9 +12,9 @@ own ``python -m flcomm.train`` with torchrun's environment variables, rank 0 hos
 store), plus the launcher itself killed with SIGTERM and SIGKILL. Columns: the case, the exit
 code, seconds from the fault until the last rank ended and until the launcher ended, whether
 that stayed within the bound (2 x the collective timeout for the ranks, 10 s more for the
-launcher), whether the message names
-the failed rank and the phase, processes left behind, and the newest complete checkpoint's
-step (verified against its hashes). ``hangs`` and ``orphans`` in the last line must be 0.
+launcher), whether the message names the failed rank and the phase, processes left behind, and
+the newest complete checkpoint's step (verified against its hashes). ``hangs`` and ``orphans``
+in the last line must be 0.
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def run_launcher_kill(strategy: str, sig: int, workdir: str, timeout_s: float = 
     t0 = time.time()
     p.send_signal(sig)
     try:
-        p.wait(timeout=wall_s)
+        res.message = p.communicate(timeout=wall_s)[1] or ""
     except subprocess.TimeoutExpired:
         res.hang = True
     left = pids
@@ -230,7 +230,7 @@ def run_launcher_kill(strategy: str, sig: int, workdir: str, timeout_s: float = 
     res.rc = p.returncode
     res.rank_pids = pids
     res.orphans = len(_reap(pids + _pgroup(p.pid), 0.0))
-    res.within_bound = len(pids) == 4 and res.seconds <= res.bound_s and not res.hang
+    res.within_bound = len(pids) == 4 and res.seconds <= res.bound_s and not res.hang and res.rc == -sig
     res.names_rank = res.names_phase = True  # NOTE: nothing failed: nothing to name
     return res
 

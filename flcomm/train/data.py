@@ -132,11 +132,11 @@ def data_source(path: str | None) -> str:
 _RECORD_BYTES = 1 << 20
 
 
-def data_record(path: str | None, tokens: np.ndarray, dtype: str | None = None,
-                max_tokens: int | None = None) -> dict:
-    """What a checkpoint records about its data, to refuse a resume on other data: the source
-    (absolute path or the built-in corpus), the number and type of tokens used, and a hash of
-    the first and the last MB of them."""
+def data_record(path: str | None, tokens: np.ndarray) -> dict:
+    """What a checkpoint records about the data ``tokens`` (as :func:`load_tokens` read them
+    from ``path``), to refuse a resume on other data: the source (absolute path or the
+    built-in corpus), the number and type of tokens used, and a hash of their first and last
+    MB."""
     raw = np.ascontiguousarray(tokens[: _RECORD_BYTES // tokens.itemsize]).view(np.uint8)
     tail = np.ascontiguousarray(tokens[max(0, len(tokens) - _RECORD_BYTES // tokens.itemsize):]).view(np.uint8)
     return {"source": os.path.abspath(path) if path is not None else BUILTIN_CORPUS,

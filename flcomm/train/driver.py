@@ -456,7 +456,7 @@ def _build_data(cfg: TrainConfig, mesh: "FedMesh", device: torch.device):
     loader = ShardedLoader(split.train, cfg.seq_len, cfg.batch_size, P, index, cfg.seed, device=device)
     held = eval_batches(split.heldout, cfg.seq_len, cfg.batch_size, cfg.eval_batches, P, index)
     sizes = {"train_tokens": len(split.train), "heldout_tokens": len(split.heldout)}
-    return loader, held, data_record(cfg.data, tokens, cfg.data_dtype, cfg.max_tokens), sizes
+    return loader, held, data_record(cfg.data, tokens), sizes
 
 
 def build_run(cfg: TrainConfig, monitor: Monitor) -> Run:
@@ -775,7 +775,7 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> Topology:
         if path is not None:
             meta = ckpt.read_meta(path)
             ckpt.check_compatible(meta, topo, mcfg.to_dict(), path)
-            run_meta = {"seed": cfg.seed, "data": data_record(cfg.data, tokens, cfg.data_dtype, cfg.max_tokens)}
+            run_meta = {"seed": cfg.seed, "data": data_record(cfg.data, tokens)}
             ckpt.check_resume(meta, run_meta, path, cfg.allow_data_change)
             ckpt.verify_files(path, meta)
     return topo

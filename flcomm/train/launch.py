@@ -148,9 +148,11 @@ def bound_store(addr: str, world_size: int, timeout: timedelta, sock: socket.soc
 def _forward_signals(procs: list) -> dict:
     """SIGTERM / SIGHUP / SIGINT to the launcher: terminate the ranks, then die of the signal."""
     def handler(signum: int, _frame: Any) -> None:
-        _stop(procs, grace_s=2.0)
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        try:
+            _stop([p for p in procs if p.pid is not None], grace_s=2.0)
+        finally:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
     old = {}
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
