@@ -328,15 +328,14 @@ STARTUP_TIMEOUT_S = 120.0
 
 def _startup_barrier(cfg: TrainConfig) -> None:
     """Wait for every rank to have built its model and read its data, for up to
-    max(timeout_s, STARTUP_TIMEOUT_S); on gloo a rank that does not arrive is named."""
+    max(timeout_s, STARTUP_TIMEOUT_S)."""
     # NOTE: ranks build their models and read their data at different speeds (a loaded host,
     # a slow file system); the first collective after that would otherwise time out after
-    # timeout_s, which is meant for a step's collectives.
-    t = timedelta(seconds=max(cfg.timeout_s, STARTUP_TIMEOUT_S))
-    if str(dist.get_backend()).lower() == "gloo":
-        dist.monitored_barrier(timeout=t, wait_all_ranks=True)
-    else:
-        dist.barrier()
+    # timeout_s, which is meant for a step's collectives. A group of its own carries the
+    # longer timeout (its creation already waits for every rank).
+    g = dist.new_group(timeout=timedelta(seconds=max(cfg.timeout_s, STARTUP_TIMEOUT_S)))
+    dist.barrier(group=g)
+    dist.destroy_process_group(g)
 
 
 def _check_same_data(fp: int, device: torch.device) -> None:

@@ -2,9 +2,9 @@
 
 Each rank keeps one small file ``<log_dir>/rank<r>.hb``, rewritten in place (one ``pwrite``)
 whenever the rank enters a phase of a step: forward, backward, FedAvg exchange, loss,
-evaluation, checkpoint. A record is JSON: pid, rank, step, phase, the process group the phase
-talks over and its ranks, the wall time, and ``state`` ("run", "done" or "error"; an error
-record also holds the one-line message). The full traceback of a failure goes to
+evaluation, checkpoint. A record is JSON: pid, host, rank, step, phase, the wall time, and
+``state`` ("run", "done" or "error"; an error record also holds the one-line message, which
+names the process group the phase talks over and its ranks). The full traceback of a failure goes to
 ``<log_dir>/rank<r>.log``.
 
 Who failed first (:func:`first_failure`): a rank that stopped without reporting an error
