@@ -1,7 +1,7 @@
 """Run a function on N spawned processes with torch.distributed (gloo by default).
 
-Every distributed test uses :func:`run_distributed`: it spawns the ranks, gives each a
-process group with a timeout, collects each rank's return value, re-raises the first rank's
+Every distributed test uses :func:`run_distributed`: it hosts the rendezvous store, spawns the
+ranks, gives each a process group with a timeout, collects each rank's return value, re-raises the first rank's
 exception with its traceback, and kills everything that outlives ``timeout`` so a hang fails
 the test instead of blocking CI.
 """
@@ -10,19 +10,12 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch.multiprocessing as mp
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, q, timeout_s: float) -> None:
@@ -34,7 +27,8 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
     # NOTE: two cores shared by up to 8 ranks: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world,
+        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, rank=rank, world_size=world, store=store,
                                 timeout=timedelta(seconds=timeout_s))
         result = fn(rank, world, *args)
         q.put((rank, "ok", pickle.dumps(result)))
@@ -52,9 +46,13 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                     backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the results in
     rank order. ``fn`` must be importable (module level) and its result picklable."""
+    from flcomm.train.launch import bound_store
+
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    port = free_port()
+    # NOTE: the parent hosts the store on a port the kernel picked (no race for a free port)
+    store = bound_store("127.0.0.1", world_size + 1, timedelta(seconds=timeout + 60))
+    port = store.port
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, q, timeout),
                          daemon=True) for r in range(world_size)]
     for p in procs:

@@ -95,7 +95,8 @@ def test_crash_during_save_leaves_last_checkpoint_loadable(scenario):
         assert [d for d in out["listing_final"] if d.startswith("step_")] == ["step_00000006", "step_00000008"]
     meta = ckpt.read_meta(os.path.join(b_dir, "step_00000008"))
     assert meta["step"] == 8 and meta["strategy"] == "fl-fsdp"
-    assert meta["topology"] == {"world_size": 4, "ranks_per_node": 2, "group_size": 2, "shard_size": 2}
+    assert meta["topology"] == {"world_size": 4, "ranks_per_node": 2, "group_size": 2, "shard_size": 2,
+                                "mesh_shape": [2, 1, 2], "node_groups": None}
 
 
 def test_checkpoint_from_another_topology_or_model_is_refused(scenario):
@@ -122,3 +123,109 @@ def test_latest_pointer_errors(tmp_path):
     (tmp_path / "step_00000001" / "meta.json").write_text(json.dumps({"format": 99}))
     with pytest.raises(ValueError, match="format 99"):
         ckpt.check_compatible(ckpt.read_meta(str(tmp_path / "step_00000001")), None, {}, "x")
+
+
+# ---------------------------------------------------------------- verified, safe loading
+def _copy_ckpt(root: str, tmp_path) -> str:
+    import shutil
+
+    dst = str(tmp_path / "c")
+    shutil.copytree(os.path.join(root, "a"), dst)
+    return dst
+
+
+def _rehash(path: str, name: str) -> None:
+    """What an attacker who can write the folder does: fix meta.json after editing a file."""
+    meta = ckpt.read_meta(path)
+    meta["files"][name] = ckpt._hash_files(path, [name])[name]
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump(meta, f)
+
+
+def test_corrupt_files_are_named_before_loading(scenario, tmp_path):
+    _, root = scenario
+    d = _copy_ckpt(root, tmp_path)
+    path = ckpt.latest_checkpoint(d)
+    cfg = TrainConfig(**BASE, checkpoint_dir=d, resume=True)
+    check_before_launch(cfg, 4)  # intact: accepted
+    victims = sorted(f for f in os.listdir(path) if f.endswith(".distcp") or f.endswith(".state.pt"))
+    assert victims
+    for name in victims[:2]:
+        f = os.path.join(path, name)
+        raw = bytearray(open(f, "rb").read())
+        raw[len(raw) // 2] ^= 0x10  # one bit
+        open(f, "wb").write(bytes(raw))
+        with pytest.raises(ValueError, match=f"checkpoint file .*{name} does not match its SHA-256"):
+            check_before_launch(cfg, 4)
+        open(f, "wb").write(bytes(raw[: len(raw) // 3]))  # truncated
+        with pytest.raises(ValueError, match=f"{name} has {len(raw) // 3} bytes, meta.json says {len(raw)}"):
+            check_before_launch(cfg, 4)
+        raw[len(raw) // 2] ^= 0x10
+        open(f, "wb").write(bytes(raw))
+    open(os.path.join(path, "meta.json"), "w").write('{"format": 2, "step": ')
+    with pytest.raises(ValueError, match="meta.json is not valid JSON"):
+        check_before_launch(cfg, 4)
+
+
+def test_latest_cannot_point_outside(tmp_path):
+    for bad in ("../elsewhere", "/etc", "step_00000001/../../x", "x" * 300):
+        (tmp_path / "latest").write_text(bad + "\n")
+        with pytest.raises(ValueError, match="must name a checkpoint of this directory"):
+            ckpt.latest_checkpoint(str(tmp_path))
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/flcomm-pwned",))
+
+
+def _load_rank_state(rank: int, world: int, path: str) -> str:
+    from flcomm.federated.topology import Topology
+    from flcomm.train.driver import build_run
+    from flcomm.train.monitor import Monitor
+
+    cfg = TrainConfig(**BASE)
+    run = build_run(cfg, Monitor(None, rank, world))
+    try:
+        ckpt.load(path, run.model, run.optimizer, run.mesh.coords.group, Topology(4, 2, 2, 2), run.meta["model"])
+    except ValueError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_crafted_state_file_is_not_executed(scenario, tmp_path):
+    _, root = scenario
+    d = _copy_ckpt(root, tmp_path)
+    path = ckpt.latest_checkpoint(d)
+    if os.path.exists("/tmp/flcomm-pwned"):
+        os.remove("/tmp/flcomm-pwned")
+    torch.save({"step": 6, "x": _Boom()}, os.path.join(path, "rank1.state.pt"))
+    _rehash(path, "rank1.state.pt")
+    out = run_distributed(_load_rank_state, 4, path, timeout=240)
+    assert out[0] == out[2] == out[3] == "loaded"
+    assert "rank1.state.pt cannot be loaded as tensors and plain types" in out[1]
+    assert not os.path.exists("/tmp/flcomm-pwned")
+
+
+def test_resume_refuses_other_data_or_seed(scenario, tmp_path):
+    _, root = scenario
+    a_dir = os.path.join(root, "a")
+    with pytest.raises(ValueError, match="trained on other data: python-stdlib \\(300000 tokens of uint8\\), "
+                                         "this run reads python-stdlib \\(250000 tokens"):
+        check_before_launch(TrainConfig(**{**BASE, "max_tokens": 250_000}, checkpoint_dir=a_dir, resume=True), 4)
+    check_before_launch(TrainConfig(**{**BASE, "max_tokens": 250_000}, checkpoint_dir=a_dir, resume=True,
+                                    allow_data_change=True), 4)
+    data = tmp_path / "d.bin"
+    np_ids = torch.randint(0, 256, (300_000,), dtype=torch.int32).numpy().astype("uint16")
+    np_ids.tofile(data)
+    with pytest.raises(ValueError, match=f"this run reads {data}"):
+        check_before_launch(TrainConfig(**BASE, data=str(data), checkpoint_dir=a_dir, resume=True), 4)
+    with pytest.raises(ValueError, match="written with --seed 0, this run has --seed 1"):
+        check_before_launch(TrainConfig(**{**BASE, "seed": 1}, checkpoint_dir=a_dir, resume=True), 4)
+
+
+def test_rng_state_is_the_same_run_to_run(scenario):
+    _, root = scenario
+    a = torch.load(os.path.join(root, "a", "step_00000006", "rank2.state.pt"), weights_only=True)
+    b = torch.load(os.path.join(root, "b", "step_00000006", "rank2.state.pt"), weights_only=True)
+    assert torch.equal(a["rng"]["cpu"], b["rng"]["cpu"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -133,8 +134,8 @@ def test_topology_defaults():
 @pytest.mark.parametrize("kw,match", [
     (dict(strategy="ddp"), "unknown strategy 'ddp'; expected one of fsdp, hsdp, fl-fsdp, fl-hsdp"),
     (dict(sync_every=0), "sync_every .* must be an integer >= 1, got 0"),
-    (dict(codec="zip"), "unknown codec 'zip'; expected one of .*int8"),
-    (dict(outer="adam"), "unknown outer update 'adam'"),
+    (dict(codec="zip"), "unknown codec 'zip'; known codecs: .*int8"),
+    (dict(outer="adam"), "outer must be one of .*nesterov.*, got 'adam'"),
     (dict(model="gpt5"), "unknown model preset 'gpt5'"),
     (dict(resume=True), "resume needs a checkpoint directory"),
     (dict(steps=0), "steps must be an integer >= 1, got 0"),
@@ -167,6 +168,46 @@ def test_cli_reports_bad_input_without_launching(capsys):
     assert "unknown codec 'gzip'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="world_size 4"):
         check_before_launch(TrainConfig(strategy="fl-hsdp", ranks_per_node=2, group_size=3), 4)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--timeout-s", "0"], "timeout_s must be a finite number > 0.0, got 0.0"),
+    (["--timeout-s", "nan"], "timeout_s must be a finite number > 0.0, got nan"),
+    (["--bucket-mb", "0"], "bucket_mb must be a finite number > 0.0, got 0.0"),
+    (["--bucket-mb", "inf"], "bucket_mb must be a finite number > 0.0, got inf"),
+    (["--max-tokens", "0"], "max_tokens must be an integer >= 1, got 0"),
+    (["--weight-decay", "-0.1"], "weight_decay must be a finite number >= 0.0, got -0.1"),
+    (["--nproc", "0"], "--nproc must be an integer >= 1, got 0"),
+    (["--nan-policy", "ignore"], "unknown nan_policy 'ignore'; expected one of stop, skip-step"),
+    (["--vocab-size", "100", "--max-tokens", "100000"],
+     r"the built-in corpus \(python-stdlib\) has token id \d+, beyond the model's vocabulary of 100"),
+    (["--seq-len", "4096"], "seq_len 4096 exceeds max_seq_len 1024 of model preset 'tiny'"),
+])
+def test_bad_settings_are_refused_before_launch(argv, match, capsys):
+    from flcomm.train.__main__ import main
+
+    assert main(["--nproc", "2", *argv] if "--nproc" not in argv else argv) == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err), err
+    assert err.count("\n") == 1, err  # one line, no traceback
+
+
+def test_bad_data_files_are_named(tmp_path, capsys):
+    from flcomm.train.__main__ import main
+
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    np.save(tmp_path / "neg.npy", np.array([1, 2, -3, 4] * 100, dtype=np.int32))
+    np.save(tmp_path / "big.npy", np.array([1, 2, 300, 4] * 100, dtype=np.int32))
+    cases = [([str(tmp_path)], f"--data '{tmp_path}' is a directory"),
+             ([str(tmp_path / "nope.txt")], "nope.txt'?: no such file"),
+             ([str(tmp_path / "odd.bin")], "odd.bin' has 3 bytes, not a whole number of uint16 token ids"),
+             ([str(tmp_path / "odd.bin"), "--data-dtype", "float7"], "odd.bin' cannot be read as token ids"),
+             ([str(tmp_path / "neg.npy")], "neg.npy' has a negative token id \\(-3\\)"),
+             ([str(tmp_path / "big.npy")], "big.npy' has token id 300, beyond the model's vocabulary of 256")]
+    for extra, match in cases:
+        assert main(["--nproc", "2", "--data", *extra]) == 2
+        err = capsys.readouterr().err
+        assert re.search(match, err), (extra, err)
 
 
 # ---------------------------------------------------------------- the strategies, distributed

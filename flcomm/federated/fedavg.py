@@ -495,8 +495,7 @@ class FedAvg:
 
     # ---------------------------------------------------------------- internals
     def _topology_meta(self) -> dict:
-        t = self.topology
-        return {"world_size": t.world_size, "mesh_shape": list(t.mesh_shape)}
+        return self.topology.to_dict()
 
     def _check_peers(self) -> None:
         """All ranks of the fed group must hold the same shards of the same model."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from flcomm.comm.base import DEFAULT_TIMEOUT, CommStats, LinkTier
 
@@ -112,6 +112,14 @@ class Topology:
             if len(g) != G // L:
                 raise ValueError(f"node_groups[{f}] must list {G // L} nodes, got {len(g)}: {g}")
         return tuple(tuple(n * L + i for n in g for i in range(L)) for g in ng)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The topology as plain JSON types: what a checkpoint or a FedAvg state records, and
+        what a resume compares."""
+        return {"world_size": self.world_size, "ranks_per_node": self.ranks_per_node,
+                "group_size": int(self.group_size), "shard_size": int(self.shard_size),
+                "mesh_shape": list(self.mesh_shape),
+                "node_groups": None if self.node_groups is None else [list(g) for g in self.node_groups]}
 
     # ---- factories for the four strategies (defaults: flcomm.federated.strategy) ----
     @classmethod
@@ -255,12 +263,14 @@ class FedMesh:
         self.coords = topo.coords(self.rank)
         self.stats = stats if stats is not None else CommStats()
         self.timeout = timeout
-        self.device_mesh: DeviceMesh = DeviceMesh(device_type, torch.tensor(topo.mesh(), dtype=torch.int),
-                                                  mesh_dim_names=MESH_DIMS)
-        self.groups: dict[str, dist.ProcessGroup] = {d: self.device_mesh.get_group(d) for d in MESH_DIMS}
         self.group_ranks: dict[str, list[int]] = {}
-        for d in MESH_DIMS:
-            self.group_ranks[d] = next(g for g in topo.dim_groups(d) if self.rank in g)
+        self.groups: dict[str, dist.ProcessGroup] = {d: self._new_groups(topo.dim_groups(d), d) for d in MESH_DIMS}
+        # NOTE: a DeviceMesh built by DeviceMesh(...) / init_device_mesh creates its dims' groups
+        # with torch's default 30-minute timeout: a frozen rank would hang FSDP's collectives
+        # that long. The mesh is built on our own groups instead, which carry ``timeout``.
+        self.device_mesh: DeviceMesh = DeviceMesh.from_group(
+            [self.groups[d] for d in MESH_DIMS], device_type,
+            torch.tensor(topo.mesh(), dtype=torch.int), mesh_dim_names=MESH_DIMS)
         self.groups["group"] = self._new_groups(topo.dim_groups("group"), "group")
         if hierarchical:
             for base in ("shard", "group"):
@@ -281,6 +291,10 @@ class FedMesh:
             if self.rank in ranks:
                 mine, self.group_ranks[name] = g, list(ranks)
         return mine
+
+    def describe(self, name: str) -> str:
+        """``'group NAME (ranks [...])'``: how an error names a process group."""
+        return f"group {name!r} (ranks {self.group_ranks.get(name)})"
 
     def tier(self, name: str) -> LinkTier:
         return self.topology.tier(self.group_ranks[name], "fed" if name == "fed" else None)

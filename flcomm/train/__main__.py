@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from flcomm.train.driver import INNER_STATES, OUTERS, STRATEGIES, TrainConfig, known_codecs
+from flcomm.train.driver import INNER_STATES, NAN_POLICIES, OUTERS, STRATEGIES, TrainConfig, known_codecs
 from flcomm.train.model import PRESETS
 
 _SUBCOMMANDS = ("train", "compare", "plot")
@@ -72,7 +72,12 @@ def _add_common(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     a.add_argument("--eval-batches", type=int, default=d.eval_batches)
     r = p.add_argument_group("runtime")
     r.add_argument("--backend", default=d.backend, help="auto | gloo | nccl")
-    r.add_argument("--timeout-s", type=float, default=d.timeout_s, help="collective timeout")
+    r.add_argument("--timeout-s", type=float, default=d.timeout_s,
+                   help="timeout of every collective, in seconds (a dead or frozen rank is detected within it)")
+    r.add_argument("--nan-policy", default=d.nan_policy,
+                   help=f"on a non-finite loss or gradient norm: {' | '.join(NAN_POLICIES)} (stop: every rank, naming the step)")
+    r.add_argument("--log-dir", default=d.log_dir,
+                   help="per-rank heartbeats and tracebacks (default: a new temporary directory)")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=d.progress)
 
 
@@ -96,18 +101,44 @@ def _train_parser() -> argparse.ArgumentParser:
     o.add_argument("--save-every", type=int, default=0, help="0: only at the end")
     o.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
     o.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    o.add_argument("--allow-data-change", action="store_true",
+                   help="resume even though the data differ from the checkpoint's")
     return p
 
 
 def cmd_train(argv: Sequence[str]) -> int:
-    from flcomm.train.driver import launch_local, worker_main
+    from flcomm.train.launch import launch_local
 
     args = _train_parser().parse_args(argv)
     cfg = _config(args)
     if args.nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        worker_main(cfg)  # under torchrun
-    else:
-        launch_local(cfg, args.nproc or 1)
+        return _torchrun_rank(cfg)
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc must be an integer >= 1, got {args.nproc}")
+    # NOTE: fork: this process has not touched torch's thread pools or CUDA, and a fresh
+    # interpreter importing torch per rank costs seconds of start-up per rank
+    start = os.environ.get("FLCOMM_START_METHOD", "fork" if sys.platform == "linux" else "spawn")
+    launch_local(cfg, args.nproc or 1, start_method=start)
+    return 0
+
+
+def _torchrun_rank(cfg: TrainConfig) -> int:
+    """One rank under torchrun: its failure becomes one line on stderr (traceback in its log
+    file) and an exit code (2: refused, 1: failed)."""
+    import tempfile
+    from dataclasses import replace
+
+    from flcomm.train.launch import exit_code, worker_main
+    from flcomm.train.monitor import Monitor
+
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", os.environ.get("MASTER_PORT", "run"))
+    cfg = replace(cfg, log_dir=cfg.log_dir or os.path.join(tempfile.gettempdir(), f"flcomm-{run_id}"))
+    mon = Monitor(cfg.log_dir, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    try:
+        worker_main(cfg, monitor=mon)
+    except Exception as e:  # noqa: BLE001 - one line here, the traceback in the log file
+        print(f"flcomm.train: error: {mon.message or mon.fail(e)}", file=sys.stderr, flush=True)
+        return exit_code(e)
     return 0
 
 
@@ -151,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = argv[1:]
     try:
         return {"train": cmd_train, "compare": cmd_compare, "plot": cmd_plot}[cmd](argv)
-    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError, FloatingPointError) as e:
         print(f"flcomm.train: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,31 +1,41 @@
-"""Atomic distributed checkpoints with torch.distributed.checkpoint (DCP).
+"""Atomic, verified distributed checkpoints with torch.distributed.checkpoint (DCP).
 
 Layout under a checkpoint directory::
 
-    ckpt/step_00000100/     a complete checkpoint: DCP files + meta.json
+    ckpt/step_00000100/     a complete checkpoint: DCP files, rank state files, meta.json
     ckpt/latest             name of the newest complete checkpoint (replaced atomically)
     ckpt/.tmp-step_00000200 a save in progress (or one that crashed: ignored, removed by the
                             next save)
 
 What is saved:
-  * ``group{f}.model`` / ``group{f}.optim``: the model and optimizer state of federation group
-    f, as sharded DTensors (each rank writes its shard; replicas of HSDP dedupe). Keyed by
-    group because between FedAvg rounds the groups' models differ;
-  * ``rank{r}``: one opaque blob per rank (torch.save bytes): the FedAvg state (its anchor
-    shard, residuals and counters are per rank), the data position, the RNG states, the step;
-  * ``meta.json``: step, strategy, topology, model shape: a resume with another topology or
-    model is refused before anything is loaded.
+  * ``group{f}.model`` / ``group{f}.optim`` (DCP): the model and optimizer state of federation
+    group f, as sharded DTensors (each rank writes its shard; replicas of HSDP dedupe). Keyed
+    by group because between FedAvg rounds the groups' models differ;
+  * ``rank{r}.state.pt``: per rank, tensors and plain types only (torch.save): the FedAvg
+    state (its anchor shard, residuals and counters are per rank), the data position, the RNG
+    states, the step;
+  * ``meta.json``: format, step, strategy, topology, model shape, seed, data record, and the
+    size and SHA-256 of every other file: a resume with another topology, model, seed or
+    data is refused, and a corrupt file is named, before anything is loaded.
 
-Atomicity: every rank writes into ``.tmp-<name>``; after a barrier rank 0 writes meta.json,
-renames the directory to ``<name>`` and then replaces ``latest``. A crash at any point before
-the rename leaves ``latest`` pointing at the previous complete checkpoint.
+Loading never unpickles arbitrary objects: the rank state and DCP's non-tensor items load with
+``torch.load(weights_only=True)``. DCP's own ``.metadata`` file is a pickle that DCP reads
+itself, and a hash in meta.json detects corruption, not tampering: a checkpoint directory
+must be trusted like code.
+
+Atomicity: every rank writes into ``.tmp-<name>``; after a barrier the ranks hash their files,
+rank 0 writes meta.json, renames the directory to ``<name>`` and then replaces ``latest``. A
+crash at any point before the rename leaves ``latest`` pointing at the previous complete
+checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -37,9 +47,11 @@ from torch import nn
 if TYPE_CHECKING:
     from flcomm.federated.topology import Topology
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 LATEST = "latest"
 _TMP_PREFIX = ".tmp-"
+_NAME = re.compile(r"step_\d{8}")
+META = "meta.json"
 
 
 def step_name(step: int) -> str:
@@ -51,25 +63,29 @@ def latest_checkpoint(ckpt_dir: str) -> str | None:
     ptr = os.path.join(ckpt_dir, LATEST)
     if not os.path.isfile(ptr):
         return None
-    with open(ptr) as f:
-        name = f.read().strip()
+    with open(ptr, "rb") as f:
+        raw = f.read(256)
+    name = raw.decode("utf-8", errors="replace").strip()
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"{ptr} must name a checkpoint of this directory (step_NNNNNNNN), got {name[:80]!r}")
     path = os.path.join(ckpt_dir, name)
-    if not os.path.isfile(os.path.join(path, "meta.json")):
+    if not os.path.isfile(os.path.join(path, META)):
         raise RuntimeError(f"{ptr} names {name!r}, which is not a complete checkpoint (no meta.json)")
     return path
 
 
 def read_meta(path: str) -> dict[str, Any]:
-    f = os.path.join(path, "meta.json")
+    f = os.path.join(path, META)
     if not os.path.isfile(f):
         raise FileNotFoundError(f"{path} is not a flcomm checkpoint: no meta.json")
-    with open(f) as fh:
-        return json.load(fh)
-
-
-def topology_dict(topo: "Topology") -> dict[str, int]:
-    return {"world_size": topo.world_size, "ranks_per_node": topo.ranks_per_node,
-            "group_size": int(topo.group_size), "shard_size": int(topo.shard_size)}
+    try:
+        with open(f, "rb") as fh:
+            meta = json.loads(fh.read().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{f} is not valid JSON ({e}): the checkpoint is corrupt") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{f} must hold a JSON object, got {type(meta).__name__}")
+    return meta
 
 
 def check_compatible(meta: dict[str, Any], topo: "Topology", model_cfg: dict[str, Any], path: str) -> None:
@@ -77,10 +93,11 @@ def check_compatible(meta: dict[str, Any], topo: "Topology", model_cfg: dict[str
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"checkpoint {path} has format {meta.get('format')!r}; this flcomm reads "
                          f"format {FORMAT_VERSION}")
-    want = topology_dict(topo)
+    want = topo.to_dict()
     have = meta.get("topology", {})
     if have != want:
-        fmt = lambda d: ", ".join(f"{k}={d.get(k)}" for k in want)  # noqa: E731
+        keys = ("world_size", "ranks_per_node", "group_size", "shard_size")
+        fmt = lambda d: ", ".join(f"{k}={d.get(k)}" for k in keys)  # noqa: E731
         raise ValueError(f"checkpoint {path} was written by another topology ({fmt(have)}), but "
                          f"this run has ({fmt(want)}); resume with the same world size, "
                          "--ranks-per-node, --group-size and --shard-size")
@@ -88,6 +105,61 @@ def check_compatible(meta: dict[str, Any], topo: "Topology", model_cfg: dict[str
         diff = {k: (meta.get("model", {}).get(k), v) for k, v in model_cfg.items()
                 if meta.get("model", {}).get(k) != v}
         raise ValueError(f"checkpoint {path} holds another model shape: (checkpoint, this run) = {diff}")
+
+
+def check_resume(meta: dict[str, Any], run: dict[str, Any], path: str, allow_data_change: bool = False) -> None:
+    """Refuse to resume ``run`` (its ``seed`` and ``data`` record) from a checkpoint of
+    another seed, or of other data unless ``allow_data_change``."""
+    from flcomm.train.data import same_data
+
+    if meta.get("seed") != run["seed"]:
+        raise ValueError(f"checkpoint {path} was written with --seed {meta.get('seed')}, this run has "
+                         f"--seed {run['seed']}; resume with the same seed")
+    have, want = meta.get("data") or {}, run["data"]
+    if not allow_data_change and not same_data(have, want):
+        show = lambda d: f"{d.get('source')} ({d.get('tokens')} tokens of {d.get('dtype')})"  # noqa: E731
+        raise ValueError(f"checkpoint {path} was trained on other data: {show(have)}, this run reads "
+                         f"{show(want)} (or the same file changed); pass --allow-data-change to resume anyway")
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _data_files(path: str) -> list[str]:
+    return sorted(f for f in os.listdir(path) if f != META and os.path.isfile(os.path.join(path, f)))
+
+
+def _hash_files(path: str, names: list[str]) -> dict[str, dict[str, Any]]:
+    return {n: {"bytes": os.path.getsize(os.path.join(path, n)), "sha256": _sha256(os.path.join(path, n))}
+            for n in names}
+
+
+def verify_files(path: str, meta: dict[str, Any], part: tuple[int, int] = (0, 1)) -> str | None:
+    """Check the files of checkpoint ``path`` against meta.json's sizes and hashes (with
+    ``part=(i, n)`` only every n-th file from the i-th: ranks share the work). Raises
+    ValueError naming the first bad file, missing or extra one."""
+    want = meta.get("files")
+    if not isinstance(want, dict) or not want:
+        raise ValueError(f"{os.path.join(path, META)} lists no file hashes: the checkpoint is corrupt")
+    have = set(_data_files(path))
+    if have != set(want):
+        raise ValueError(f"checkpoint {path} does not hold the files its meta.json lists "
+                         f"(missing {sorted(set(want) - have)}, unexpected {sorted(have - set(want))})")
+    i, n = part
+    for name in sorted(want)[i::n]:
+        f = os.path.join(path, name)
+        size = os.path.getsize(f)
+        if size != want[name].get("bytes"):
+            raise ValueError(f"checkpoint file {f} has {size} bytes, meta.json says {want[name].get('bytes')}: "
+                             "truncated or overwritten")
+        if _sha256(f) != want[name].get("sha256"):
+            raise ValueError(f"checkpoint file {f} does not match its SHA-256 in meta.json: the file is corrupt")
+    return None
 
 
 def _to_local(obj: Any) -> Any:
@@ -134,13 +206,23 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer, group: int, rank: int,
-           blob: bytes) -> dict[str, Any]:
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer, group: int) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     return {f"group{group}": {"model": get_model_state_dict(model),
-                              "optim": get_optimizer_state_dict(model, optimizer)},
-            f"rank{rank}": blob}
+                              "optim": get_optimizer_state_dict(model, optimizer)}}
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank{rank}.state.pt"
+
+
+def _all_ranks(obj: Any) -> list[Any]:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def save(ckpt_dir: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -150,17 +232,20 @@ def save(ckpt_dir: str, step: int, model: nn.Module, optimizer: torch.optim.Opti
 
     Steps:
       1. rank 0 removes a stale ``.tmp-<name>`` left by a crashed save; barrier;
-      2. every rank saves ``group{f}.model``, ``group{f}.optim`` and its ``rank{r}`` blob
-         (``rank_state`` + RNG states, torch.save'd) with DCP into ``.tmp-<name>``;
+      2. every rank saves ``group{f}.model`` and ``group{f}.optim`` with DCP into
+         ``.tmp-<name>``, and its ``rank_state`` + RNG states (tensors and plain types) into
+         ``rank{r}.state.pt``;
       3. ``fault(tmp_dir)`` if given (tests inject a crash here); barrier;
-      4. rank 0 writes meta.json, renames the directory to ``<name>``, replaces ``latest``
-         (write + fsync + rename) and prunes all but the newest ``keep`` checkpoints; barrier.
+      4. the ranks hash the files (each a share), rank 0 writes meta.json with every file's
+         size and SHA-256, renames the directory to ``<name>``, replaces ``latest`` (write +
+         fsync + rename) and prunes all but the newest ``keep`` checkpoints; barrier.
 
     Returns the checkpoint's path.
     """
     import torch.distributed.checkpoint as dcp
 
     rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
     name = step_name(step)
     final = os.path.join(ckpt_dir, name)
     tmp = os.path.join(ckpt_dir, _TMP_PREFIX + name)
@@ -169,55 +254,100 @@ def save(ckpt_dir: str, step: int, model: nn.Module, optimizer: torch.optim.Opti
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    buf = io.BytesIO()
-    torch.save({**_to_local(rank_state), "rng": _rng_state()}, buf)
-    sd = _state(model, optimizer, group, rank, buf.getvalue())
-    dcp.save(sd, checkpoint_id=tmp)
+    dcp.save(_state(model, optimizer, group), checkpoint_id=tmp)
+    with open(os.path.join(tmp, _rank_file(rank)), "wb") as f:
+        torch.save({**_to_local(rank_state), "rng": _rng_state()}, f)
+        f.flush()
+        os.fsync(f.fileno())
     if fault is not None:
         fault(tmp)
     _barrier()
+    names = _data_files(tmp)
+    hashes = {k: v for part in _all_ranks(_hash_files(tmp, names[rank::world])) for k, v in part.items()}
     if rank == 0:
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({"format": FORMAT_VERSION, "step": step, **meta}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if os.path.exists(final):  # NOTE: re-saving a step (a resumed run): swap, then drop the old
-            old = os.path.join(ckpt_dir, _TMP_PREFIX + "old-" + name)
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        ptr_tmp = os.path.join(ckpt_dir, _TMP_PREFIX + LATEST)
-        with open(ptr_tmp, "w") as f:
-            f.write(name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(ptr_tmp, os.path.join(ckpt_dir, LATEST))
-        _fsync_dir(ckpt_dir)
+        _publish(ckpt_dir, tmp, final, {"format": FORMAT_VERSION, "step": step, **meta, "files": hashes})
         _prune(ckpt_dir, keep)
     _barrier()
     return final
+
+
+def _publish(ckpt_dir: str, tmp: str, final: str, meta: dict[str, Any]) -> None:
+    """Rank 0's part of a save: meta.json, the rename, ``latest``."""
+    with open(os.path.join(tmp, META), "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    name = os.path.basename(final)
+    if os.path.exists(final):  # NOTE: re-saving a step (a resumed run): swap, then drop the old
+        old = os.path.join(ckpt_dir, _TMP_PREFIX + "old-" + name)
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    ptr_tmp = os.path.join(ckpt_dir, _TMP_PREFIX + LATEST)
+    with open(ptr_tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(ptr_tmp, os.path.join(ckpt_dir, LATEST))
+    _fsync_dir(ckpt_dir)
 
 
 def _prune(ckpt_dir: str, keep: int) -> None:
     if keep < 1:
         return
     done = sorted(d for d in os.listdir(ckpt_dir)
-                  if d.startswith("step_") and os.path.isfile(os.path.join(ckpt_dir, d, "meta.json")))
+                  if _NAME.fullmatch(d) and os.path.isfile(os.path.join(ckpt_dir, d, META)))
     for d in done[:-keep]:
         shutil.rmtree(os.path.join(ckpt_dir, d), ignore_errors=True)
+
+
+def _safe_planner() -> Any:
+    """DCP's default load planner, with its non-tensor items loaded ``weights_only``."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class _WeightsOnlyPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            # NOTE: the default unpickles with weights_only=False; optimizer hyper-parameters
+            # and step counts are plain types, which weights_only=True loads
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element
+
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return _WeightsOnlyPlanner()
+
+
+def verify(path: str, meta: dict[str, Any]) -> None:
+    """:func:`verify_files` shared among the ranks (collective); every rank raises the same
+    error when one found a bad file."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    try:
+        verify_files(path, meta, (rank, world))
+        err = None
+    except (ValueError, OSError) as e:
+        err = str(e)
+    errors = [e for e in _all_ranks(err) if e]
+    if errors:
+        raise ValueError(errors[0])
 
 
 def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, group: int,
          topo: "Topology", model_cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Load a checkpoint into ``model`` and ``optimizer`` (collective).
 
-    Steps: read meta.json and refuse another topology or model shape; DCP-load this group's
-    model and optimizer state and this rank's blob into destinations of the current shapes;
-    set them into the model and optimizer; restore the RNG states.
+    Steps: read meta.json and refuse another topology or model shape; verify every file's
+    size and SHA-256 (the ranks share the work); DCP-load this group's model and optimizer
+    state into destinations of the current shapes (non-tensor items ``weights_only``); set them
+    into the model and optimizer; load this rank's state file ``weights_only``; restore the RNG
+    states.
 
     Returns ``(meta, rank_state)``; ``rank_state`` holds what :func:`save` was given
     (fed, data, step, ...).
@@ -227,15 +357,20 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, group: i
 
     meta = read_meta(path)
     check_compatible(meta, topo, model_cfg, path)
+    verify(path, meta)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    sd = _state(model, optimizer, group, rank, b"")
-    dcp.load(sd, checkpoint_id=path)
+    sd = _state(model, optimizer, group)
+    dcp.load(sd, checkpoint_id=path, planner=_safe_planner())
     g = sd[f"group{group}"]
     set_model_state_dict(model, g["model"])
     set_optimizer_state_dict(model, optimizer, g["optim"])
-    blob = sd[f"rank{rank}"]
-    if not isinstance(blob, (bytes, bytearray)) or not blob:
-        raise RuntimeError(f"checkpoint {path} has no state for rank {rank}")
-    rank_state = torch.load(io.BytesIO(blob), weights_only=False, map_location="cpu")
+    f = os.path.join(path, _rank_file(rank))
+    if not os.path.isfile(f):
+        raise ValueError(f"checkpoint {path} has no state file for rank {rank} ({f})")
+    try:
+        rank_state = torch.load(f, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - one clear line naming the file
+        raise ValueError(f"checkpoint file {f} cannot be loaded as tensors and plain types: "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     _set_rng_state(rank_state.pop("rng"))
     return meta, rank_state

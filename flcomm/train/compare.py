@@ -16,7 +16,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import replace
 
-from flcomm.train.driver import STRATEGIES, TrainConfig, launch_local
+from flcomm.train.driver import STRATEGIES, TrainConfig
+from flcomm.train.launch import launch_local
 from flcomm.train.metrics import RunMetrics, read_metrics
 
 COMPARE_DEFAULTS: dict[str, object] = {

@@ -93,20 +93,63 @@ def load_tokens(path: str | None = None, dtype: str | None = None, max_tokens: i
     """
     if path is None:
         return builtin_corpus(max_tokens)
+    src = f"--data {path!r}"
+    if os.path.isdir(path):
+        raise ValueError(f"{src} is a directory; expected a text, .npy or .bin file")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--data {path!r}: no such file")
-    if path.endswith(".npy"):
-        arr = np.load(path, mmap_mode="r")
-        if arr.ndim != 1:
-            arr = arr.reshape(-1)
-    elif path.endswith(".bin"):
-        arr = np.memmap(path, dtype=np.dtype(dtype or "uint16"), mode="r")
-    else:
-        with open(path, "rb") as f:
-            arr = np.frombuffer(f.read(), dtype=np.uint8)
+        raise FileNotFoundError(f"{src}: no such file")
+    try:
+        if path.endswith(".npy"):
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+            if arr.ndim != 1:
+                arr = arr.reshape(-1)
+        elif path.endswith(".bin"):
+            dt = np.dtype(dtype or "uint16")
+            size = os.path.getsize(path)
+            if size % dt.itemsize:
+                raise ValueError(f"{src} has {size} bytes, not a whole number of {dt} token ids "
+                                 f"({dt.itemsize} bytes each); give the right --data-dtype")
+            arr = np.memmap(path, dtype=dt, mode="r")
+        else:
+            with open(path, "rb") as f:
+                arr = np.frombuffer(f.read(), dtype=np.uint8)
+    except (TypeError, ValueError, OSError) as e:
+        if str(e).startswith(src):
+            raise
+        raise ValueError(f"{src} cannot be read as token ids: {e}") from None
     if not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"--data {path!r}: token ids must be integers, got dtype {arr.dtype}")
+        raise ValueError(f"{src}: token ids must be integers, got dtype {arr.dtype}")
+    if len(arr) == 0:
+        raise ValueError(f"{src} holds no tokens")
     return arr[:max_tokens] if max_tokens is not None else arr
+
+
+def data_source(path: str | None) -> str:
+    """How messages name a dataset."""
+    return f"--data {path!r}" if path is not None else f"the built-in corpus ({BUILTIN_CORPUS})"
+
+
+_RECORD_BYTES = 1 << 20
+
+
+def data_record(path: str | None, tokens: np.ndarray) -> dict:
+    """What a checkpoint records about the data ``tokens`` (as :func:`load_tokens` read them
+    from ``path``), to refuse a resume on other data: the source (absolute path or the
+    built-in corpus), the number and type of tokens used, and a hash of their first and last
+    MB."""
+    raw = np.ascontiguousarray(tokens[: _RECORD_BYTES // tokens.itemsize]).view(np.uint8)
+    tail = np.ascontiguousarray(tokens[max(0, len(tokens) - _RECORD_BYTES // tokens.itemsize):]).view(np.uint8)
+    return {"source": os.path.abspath(path) if path is not None else BUILTIN_CORPUS,
+            "tokens": int(len(tokens)), "dtype": str(tokens.dtype),
+            "file_bytes": os.path.getsize(path) if path is not None else None,
+            "head_blake2b": hashlib.blake2b(raw.data, digest_size=16).hexdigest(),
+            "tail_blake2b": hashlib.blake2b(tail.data, digest_size=16).hexdigest()}
+
+
+def same_data(a: dict, b: dict) -> bool:
+    """Whether two :func:`data_record` s describe the same token stream (the path may differ)."""
+    keys = ("tokens", "dtype", "head_blake2b", "tail_blake2b")
+    return all(a.get(k) == b.get(k) for k in keys)
 
 
 _FINGERPRINT_FULL = 1 << 25
@@ -131,18 +174,19 @@ def fingerprint(tokens: np.ndarray) -> int:
     return int.from_bytes(h.digest(), "little") >> 1
 
 
-def max_token(tokens: np.ndarray, limit: int = 1 << 28) -> int:
-    """The largest token id (of the first ``limit`` tokens of a longer stream)."""
-    return int(tokens[:limit].max()) if len(tokens) else 0
-
-
-def check_vocab(tokens: np.ndarray, vocab_size: int, source: str) -> None:
-    """Refuse token ids the model's embedding cannot index (a clear error instead of an
-    index error, or a device-side assert on a GPU, in the first forward)."""
-    top = max_token(tokens)
-    if top >= vocab_size:
-        raise ValueError(f"{source} has token id {top}, beyond the model's vocabulary of {vocab_size}; "
-                         f"pass --vocab-size {top + 1} or more")
+def check_vocab(tokens: np.ndarray, vocab_size: int, source: str, limit: int = 1 << 28) -> None:
+    """Refuse token ids the model's embedding cannot index, negative or ``>= vocab_size`` (a
+    clear error instead of an index error, or a device-side assert on a GPU, in the first
+    forward). Longer streams are checked on their first ``limit`` tokens."""
+    head = tokens[:limit]
+    if not len(head):
+        return
+    lo, hi = int(head.min()), int(head.max())
+    if lo < 0:
+        raise ValueError(f"{source} has a negative token id ({lo}); token ids must be in [0, vocab_size)")
+    if hi >= vocab_size:
+        raise ValueError(f"{source} has token id {hi}, beyond the model's vocabulary of {vocab_size}; "
+                         f"pass --vocab-size {hi + 1} or more")
 
 
 @dataclass(frozen=True)

@@ -1,30 +1,29 @@
 """The reference training loop for the four strategies: FSDP, HSDP, FL+FSDP and FL+HSDP.
 
-One rank's run (:func:`train`, inside an initialized process group):
+One rank's run (:func:`train`, inside an initialized process group) has four parts:
 
-1. build the :class:`~flcomm.federated.topology.Topology` of the strategy and its FedMesh;
-2. build the model (on the meta device for big presets) and apply FSDP2 ``fully_shard`` to
-   every decoder block and to the root, over the federation group's mesh: the "shard" dim
-   (FSDP) or ("replicate", "shard") (HSDP);
-3. read the data slice of this rank (one of P disjoint slices) and the held-out split;
-4. AdamW with linear warm-up and cosine decay; for the FL strategies a FedAvg over the "fed"
-   dim, stepped after every optimizer step;
-5. optionally resume from the latest checkpoint (model, optimizer, FedAvg state, data
-   position, RNG);
-6. per step: forward, backward, clip, optimizer step, ``fed.step()``; rank 0 writes a JSONL
-   record (loss, tokens/s, bytes per tier, exposed communication); evaluation every
-   ``eval_every`` steps and at the end (``fed.finish()`` first); checkpoints every
-   ``save_every`` steps and at the end.
+* :func:`build_run`: the :class:`~flcomm.federated.topology.Topology` of the strategy and its
+  FedMesh (every group, mesh dims included, with the configured timeout); the model, built on
+  the meta device for big presets and sharded with FSDP2 ``fully_shard`` per decoder block and
+  at the root over the group's "shard" dim (FSDP) or ("replicate", "shard") (HSDP); this
+  rank's data slice (one of P disjoint slices) and held-out batches; AdamW; for the FL
+  strategies a FedAvg over the "fed" dim; the resume from the latest checkpoint;
+* :func:`train_step`: forward, backward, gradient norm and clipping, the group's loss, the
+  optimizer step (left out on a non-finite loss or gradient norm: ``nan_policy``),
+  ``fed.step()``;
+* :class:`StepLogger`: rank 0's JSONL record per step (loss, tokens/s, bytes per tier,
+  exposed communication) and the progress bar;
+* :class:`CheckpointPolicy`: evaluation every ``eval_every`` steps and checkpoints every
+  ``save_every`` steps, both also at the end (``fed.finish()`` first).
 
-:func:`launch_local` spawns N local CPU processes with gloo; under ``torchrun``
-:func:`worker_main` reads the env:// variables.
+Every phase of a step is announced to a :class:`~flcomm.train.monitor.Monitor` (heartbeats,
+failure reports). :mod:`flcomm.train.launch` starts the ranks.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -38,10 +37,11 @@ from torch import Tensor, nn
 from flcomm.comm.base import LinkTier
 from flcomm.federated.topology import Topology
 from flcomm.train import checkpoint as ckpt
-from flcomm.train.data import (BUILTIN_CORPUS, ShardedLoader, check_vocab, eval_batches, fingerprint,
-                               load_tokens, split_tokens)
+from flcomm.train.data import (BUILTIN_CORPUS, ShardedLoader, check_vocab, data_record, data_source, eval_batches,
+                               fingerprint, load_tokens, split_tokens)
 from flcomm.train.metrics import FsdpTraffic, MetricsWriter, TierCounter, perplexity
 from flcomm.train.model import PRESETS, Transformer, build_model, get_config, lm_loss
+from flcomm.train.monitor import Monitor
 
 if TYPE_CHECKING:
     from flcomm.federated.topology import FedMesh
@@ -49,22 +49,25 @@ if TYPE_CHECKING:
 STRATEGIES = ("fsdp", "hsdp", "fl-fsdp", "fl-hsdp")
 OUTERS = ("avg", "nesterov")
 INNER_STATES = ("keep", "average", "reset")
-_FALLBACK_CODECS = ("none", "bf16", "fp16", "int8", "fp8")
+NAN_POLICIES = ("stop", "skip-step")
 
 
 def known_codecs() -> tuple[str, ...]:
-    try:
-        from flcomm.codecs import CODECS
+    from flcomm.codecs import CODECS
 
-        return tuple(CODECS)
-    except ImportError:  # NOTE: the codec module is optional for the F = 1 strategies
-        return _FALLBACK_CODECS
+    return tuple(CODECS)
 
 
 def _pos_int(name: str, v: object, allow_zero: bool = False) -> None:
     lo = 0 if allow_zero else 1
     if not isinstance(v, int) or isinstance(v, bool) or v < lo:
         raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+
+
+def _finite(name: str, v: object, lo: float, lo_open: bool = False) -> None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > lo if lo_open else v >= lo)
+    if not ok:
+        raise ValueError(f"{name} must be a finite number {'>' if lo_open else '>='} {lo}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -122,53 +125,66 @@ class TrainConfig:
     save_every: int = 0
     keep_checkpoints: int = 2
     resume: bool = False
+    allow_data_change: bool = False  # resume with other data than the checkpoint's
     progress: bool = True
     # runtime
     backend: str = "auto"  # auto | gloo | nccl
-    timeout_s: float = 300.0
+    timeout_s: float = 300.0  # every collective, mesh dims included
+    nan_policy: str = "stop"  # stop | skip-step, on a non-finite loss or gradient norm
+    log_dir: str | None = None  # per-rank heartbeats and tracebacks (the launcher picks one)
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {self.strategy!r}; expected one of {', '.join(STRATEGIES)}")
-        if not isinstance(self.sync_every, int) or isinstance(self.sync_every, bool) or self.sync_every < 1:
-            raise ValueError(f"sync_every (E, local steps between FedAvg syncs) must be an integer >= 1, "
-                             f"got {self.sync_every!r}")
-        codecs = known_codecs()
-        if self.codec not in codecs:
-            raise ValueError(f"unknown codec {self.codec!r}; expected one of {', '.join(codecs)}")
-        if self.outer not in OUTERS:
-            raise ValueError(f"unknown outer update {self.outer!r}; expected one of {', '.join(OUTERS)}")
-        if self.inner_state not in INNER_STATES:
-            raise ValueError(f"unknown inner_state {self.inner_state!r}; expected one of "
-                             f"{', '.join(INNER_STATES)}")
-        if self.model not in PRESETS:
-            raise ValueError(f"unknown model preset {self.model!r}; expected one of {', '.join(PRESETS)}")
-        if self.init not in ("auto", "full", "meta"):
-            raise ValueError(f"init must be auto, full or meta, got {self.init!r}")
-        if self.mixed_precision not in ("none", "bf16"):
-            raise ValueError(f"mixed_precision must be none or bf16, got {self.mixed_precision!r}")
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"backend must be auto, gloo or nccl, got {self.backend!r}")
+        """Checks what this config owns; codec / outer / inner_state go to their owners' parsers
+        (:meth:`check_federation`), the topology (L, G, S) to
+        :class:`~flcomm.federated.topology.Topology` (:func:`check_before_launch`)."""
+        def one_of(name: str, allowed: tuple[str, ...], label: str | None = None) -> None:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"unknown {label or name} {getattr(self, name)!r}; expected one of "
+                                 f"{', '.join(allowed)}")
+
+        one_of("strategy", STRATEGIES)
+        one_of("model", tuple(PRESETS), "model preset")
+        one_of("init", ("auto", "full", "meta"))
+        one_of("mixed_precision", ("none", "bf16"))
+        one_of("backend", ("auto", "gloo", "nccl"))
+        one_of("nan_policy", NAN_POLICIES)
         for name in ("steps", "batch_size", "seq_len", "eval_batches"):
             _pos_int(name, getattr(self, name))
-        for name in ("eval_every", "save_every"):
+        for name in ("eval_every", "save_every", "keep_checkpoints"):
             _pos_int(name, getattr(self, name), allow_zero=True)
-        for name in ("ranks_per_node", "group_size", "shard_size", "vocab_size"):
-            v = getattr(self, name)
-            if v is not None:
-                _pos_int(name, v)
+        for name in ("vocab_size", "max_tokens"):
+            if getattr(self, name) is not None:
+                _pos_int(name, getattr(self, name))
         if self.warmup is not None:
             _pos_int("warmup", self.warmup, allow_zero=True)
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        for name, lo, lo_open in (("lr", 0.0, True), ("timeout_s", 0.0, True), ("weight_decay", 0.0, False),
+                                  ("grad_clip", 0.0, False), ("outer_lr", 0.0, True), ("outer_momentum", 0.0, False)):
+            _finite(name, getattr(self, name), lo, lo_open)
+        # NOTE: FedAvg checks sync_every and bucket_mb too, but only inside the workers: a bad
+        # value must be refused before any process starts (and FedAvg lets NaN through).
+        _pos_int("sync_every (E, local steps between FedAvg syncs)", self.sync_every)
+        _finite("bucket_mb", self.bucket_mb, 0.0, lo_open=True)
+        for name in ("min_lr_ratio", "beta1", "beta2"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0.0 <= v <= 1.0):
+                raise ValueError(f"{name} must be in [0, 1], got {v!r}")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs a checkpoint directory (--checkpoint-dir)")
         if self.save_every and not self.checkpoint_dir:
             raise ValueError("save_every needs a checkpoint directory (--checkpoint-dir)")
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        self.check_federation()
+
+    def check_federation(self) -> None:
+        """codec, outer and inner_state, by the parsers of the modules that own them."""
+        from flcomm.codecs import get_codec
+        from flcomm.federated.fedavg import InnerState
+        from flcomm.federated.outer import Outer
+
+        get_codec(self.codec)
+        Outer.parse(self.outer)
+        InnerState.parse(self.inner_state)
 
     @property
     def federated(self) -> bool:
@@ -214,9 +230,9 @@ def resolve_topology(cfg: TrainConfig, world_size: int, local_world_size: int | 
     not fit the world or is not the strategy (e.g. FL with one group, HSDP with one replica).
     """
     P = world_size
-    L = cfg.ranks_per_node or local_world_size or P
+    L = cfg.ranks_per_node if cfg.ranks_per_node is not None else (local_world_size or P)
     G, S = cfg.group_size, cfg.shard_size
-    if L > P or P % L:
+    if isinstance(L, int) and L >= 1 and (L > P or P % L):  # NOTE: Topology names a non-positive L
         raise ValueError(f"ranks_per_node {L} does not divide the world of {P} ranks into whole nodes")
     if cfg.strategy in ("fsdp", "hsdp"):
         if G is not None and G != P:
@@ -307,6 +323,21 @@ def shard_model(model: Transformer, mesh: "FedMesh", mp_policy: Any = None) -> l
     return units
 
 
+STARTUP_TIMEOUT_S = 120.0
+
+
+def _startup_barrier(cfg: TrainConfig) -> None:
+    """Wait for every rank to have built its model and read its data, for up to
+    max(timeout_s, STARTUP_TIMEOUT_S)."""
+    # NOTE: ranks build their models and read their data at different speeds (a loaded host,
+    # a slow file system); the first collective after that would otherwise time out after
+    # timeout_s, which is meant for a step's collectives. A group of its own carries the
+    # longer timeout (its creation already waits for every rank).
+    g = dist.new_group(timeout=timedelta(seconds=max(cfg.timeout_s, STARTUP_TIMEOUT_S)))
+    dist.barrier(group=g)
+    dist.destroy_process_group(g)
+
+
 def _check_same_data(fp: int, device: torch.device) -> None:
     t = torch.tensor([fp, -fp], dtype=torch.int64, device=device)
     mx = t.clone()
@@ -342,30 +373,44 @@ def evaluate(model: nn.Module, batches: list[tuple[Tensor, Tensor]], device: tor
     return float(tot[0] / tot[1])
 
 
-def train(cfg: TrainConfig, return_params: bool = False, stop_after: int | None = None,
-          _save_fault: Any = None) -> TrainResult:
-    """Run ``cfg`` on this rank of an initialized process group (see the module docstring).
+class NonFiniteLossError(FloatingPointError):
+    """A non-finite loss or gradient norm with ``--nan-policy stop`` (the same on every rank)."""
 
-    ``return_params`` adds the full (unsharded) parameters at the end to the result (tests).
-    ``stop_after`` ends the run after that step as if the job were stopped there (a time limit):
-    it evaluates and checkpoints as at the end, but the schedule still spans ``cfg.steps``.
-    ``_save_fault(tmp_dir)`` is passed to every checkpoint save (tests inject a crash).
-    """
-    if not dist.is_initialized():
-        raise RuntimeError("train() needs torch.distributed to be initialized (use launch_local, "
-                           "worker_main or torchrun)")
-    P, rank = dist.get_world_size(), dist.get_rank()
-    backend = str(dist.get_backend()).lower()
-    device = _device(backend)
-    local_ws = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
-    topo = resolve_topology(cfg, P, local_ws)
-    mesh = topo.build(device_type=device.type, timeout=timedelta(seconds=cfg.timeout_s))
-    coords = mesh.coords
-    mcfg = cfg.model_config()
 
-    # ---- model
+@dataclass
+class Run:
+    """Everything :func:`build_run` sets up for one rank; the loop's state lives here too."""
+
+    cfg: TrainConfig
+    rank: int
+    device: torch.device
+    topo: Topology
+    mesh: "FedMesh"
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    traffic: FsdpTraffic
+    fed: Any
+    loader: ShardedLoader
+    held: list[tuple[Tensor, Tensor]]
+    meta: dict[str, Any]                 # what every checkpoint's meta.json records
+    info: dict[str, Any]                 # the metrics file's config record (beyond cfg)
+    monitor: Monitor
+    start_step: int = 0
+    elapsed0: float = 0.0
+    resumed_from: str | None = None
+    bad_step: int | None = None          # first non-finite step of this group, not yet agreed
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.topo.world_size * self.cfg.batch_size * self.cfg.seq_len
+
+
+def _build_model(cfg: TrainConfig, mesh: "FedMesh", device: torch.device) -> tuple[nn.Module, FsdpTraffic]:
+    """The model, sharded with FSDP2 over ``mesh`` (hierarchical collectives on request), and
+    the counter of FSDP's traffic."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    mcfg = cfg.model_config()
     use_meta = cfg.init == "meta" or (cfg.init == "auto" and mcfg.num_params() > 300_000_000)
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if cfg.mixed_precision == "bf16" else MixedPrecisionPolicy())
@@ -381,6 +426,7 @@ def train(cfg: TrainConfig, return_params: bool = False, stop_after: int | None 
     else:
         model = build_model(mcfg, device="cpu", seed=cfg.seed).to(device)
         units = shard_model(model, mesh, mp)
+    topo = mesh.topology
     hierarchical = cfg.hierarchical and len({r // topo.ranks_per_node for r in mesh.group_ranks["shard"]}) > 1
     if hierarchical:
         from flcomm.collectives.hierarchical import Hierarchy
@@ -389,260 +435,346 @@ def train(cfg: TrainConfig, return_params: bool = False, stop_after: int | None 
         # NOTE: the hooks' transports count their own bytes (intra- and inter-node apart) into
         # mesh.stats, so FsdpTraffic leaves the shard-dim collectives out.
         apply_hierarchical_collectives(model, Hierarchy.from_mesh(mesh, "shard"))
-    elif cfg.hierarchical and rank == 0:
+    elif cfg.hierarchical and mesh.rank == 0:
         print("flcomm.train: --hierarchical has no effect: the shard group lies inside one node",
               file=sys.stderr, flush=True)
-    traffic = FsdpTraffic(units, mesh, mp.param_dtype, mp.reduce_dtype, count_shard_dim=not hierarchical)
+    return model, FsdpTraffic(units, mesh, mp.param_dtype, mp.reduce_dtype, count_shard_dim=not hierarchical)
+
+
+def _build_data(cfg: TrainConfig, mesh: "FedMesh", device: torch.device):
+    """This rank's loader (slice ``group * G + index`` of P), its held-out batches, and the
+    data record a checkpoint keeps (:func:`flcomm.train.data.data_record`)."""
+    topo, coords = mesh.topology, mesh.coords
+    P = topo.world_size
+    tokens = load_tokens(cfg.data, cfg.data_dtype, cfg.max_tokens)
+    check_vocab(tokens, cfg.model_config().vocab_size, data_source(cfg.data))
+    _startup_barrier(cfg)
+    _check_same_data(fingerprint(tokens), device)
+    split = split_tokens(tokens, cfg.eval_fraction, P * cfg.batch_size * (cfg.seq_len + 1) + P)
+    index = coords.group * topo.group_size + coords.index
+    loader = ShardedLoader(split.train, cfg.seq_len, cfg.batch_size, P, index, cfg.seed, device=device)
+    held = eval_batches(split.heldout, cfg.seq_len, cfg.batch_size, cfg.eval_batches, P, index)
+    sizes = {"train_tokens": len(split.train), "heldout_tokens": len(split.heldout)}
+    return loader, held, data_record(cfg.data, tokens), sizes
+
+
+def build_run(cfg: TrainConfig, monitor: Monitor) -> Run:
+    """Mesh, model, sharding, hooks, data, FedAvg and resume of this rank (collective)."""
+    P, rank = dist.get_world_size(), dist.get_rank()
+    backend = str(dist.get_backend()).lower()
+    device = _device(backend)
+    local_ws = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
+    topo = resolve_topology(cfg, P, local_ws)
+    mesh = topo.build(device_type=device.type, timeout=timedelta(seconds=cfg.timeout_s))
+    monitor.set_groups({k: list(v) for k, v in mesh.group_ranks.items()})
+    # NOTE: the global generators are seeded, so the RNG state a checkpoint saves is the same
+    # run to run (nothing in the loop draws from them today; dropout would).
+    torch.manual_seed(cfg.seed)
+    model, traffic = _build_model(cfg, mesh, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   weight_decay=cfg.weight_decay)
-
-    # ---- data
-    tokens = load_tokens(cfg.data, cfg.data_dtype, cfg.max_tokens)
-    if cfg.data is not None:
-        check_vocab(tokens, mcfg.vocab_size, f"--data {cfg.data!r}")
-    _check_same_data(fingerprint(tokens), device)
-    min_eval = P * cfg.batch_size * (cfg.seq_len + 1) + P
-    split = split_tokens(tokens, cfg.eval_fraction, min_eval)
-    data_index = coords.group * topo.group_size + coords.index
-    loader = ShardedLoader(split.train, cfg.seq_len, cfg.batch_size, P, data_index, cfg.seed, device=device)
-    held = eval_batches(split.heldout, cfg.seq_len, cfg.batch_size, cfg.eval_batches, P, data_index)
-
-    # ---- FedAvg
+    loader, held, data_rec, sizes = _build_data(cfg, mesh, device)
     fed = None
     if cfg.federated:
-        try:
-            from flcomm.federated.fedavg import FedAvg
-        except ImportError as e:
-            raise RuntimeError(f"strategy {cfg.strategy} needs flcomm.federated.fedavg.FedAvg, which "
-                               f"cannot be imported: {e}") from e
+        from flcomm.federated.fedavg import FedAvg
+
         fed = FedAvg(model, mesh, sync_every=cfg.sync_every, codec=cfg.codec,
                      error_feedback=cfg.error_feedback, outer=cfg.outer, outer_lr=cfg.outer_lr,
                      outer_momentum=cfg.outer_momentum, inner_state=cfg.inner_state,
                      overlap=cfg.overlap, bucket_mb=cfg.bucket_mb, optimizer=optimizer)
-
-    # ---- resume
-    tokens_per_step = P * cfg.batch_size * cfg.seq_len
-    start_step, elapsed0 = 0, 0.0
-    meta = {"strategy": cfg.strategy, "topology": ckpt.topology_dict(topo), "model": mcfg.to_dict(),
-            "seed": cfg.seed, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size}
-    resumed_from = None
-    if cfg.resume:
-        path = ckpt.latest_checkpoint(cfg.checkpoint_dir)
-        if path is not None:
-            _, rs = ckpt.load(path, model, optimizer, coords.group, topo, mcfg.to_dict())
-            loader.load_state_dict(rs["data"])
-            if fed is not None:
-                if rs.get("fed") is None:
-                    raise ValueError(f"checkpoint {path} has no FedAvg state (written by strategy "
-                                     f"without federation), cannot resume {cfg.strategy}")
-                fed.load_state_dict(rs["fed"])
-            start_step, elapsed0 = int(rs["step"]), float(rs.get("elapsed_s", 0.0))
-            resumed_from = path
-        if rank == 0:
-            print(f"flcomm.train: resuming from {path} (step {start_step})" if path else
-                  f"flcomm.train: no checkpoint in {cfg.checkpoint_dir}, starting at step 0",
-                  file=sys.stderr, flush=True)
-
-    # ---- metrics
-    writer = MetricsWriter(cfg.metrics if rank == 0 else None, append=resumed_from is not None)
+    mcfg = cfg.model_config()
+    meta = {"strategy": cfg.strategy, "topology": topo.to_dict(), "model": mcfg.to_dict(), "seed": cfg.seed,
+            "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "data": data_rec}
     info = {"world_size": P, "mesh_shape": list(topo.mesh_shape), "ranks_per_node": topo.ranks_per_node,
             "group_size": topo.group_size, "shard_size": topo.shard_size, "num_params": mcfg.num_params(),
-            "tokens_per_step": tokens_per_step, "backend": backend,
-            "data_name": cfg.data or BUILTIN_CORPUS, "train_tokens": len(split.train),
-            "heldout_tokens": len(split.heldout),
-            "fsdp_bytes_per_step": {t.value: b for t, b in traffic.bytes_per_step.items()},
-            "resumed_from": resumed_from, "start_step": start_step}
-    writer.write({"config": {**cfg.to_dict(), **info}})
+            "tokens_per_step": P * cfg.batch_size * cfg.seq_len, "backend": backend,
+            "data_name": cfg.data or BUILTIN_CORPUS, **sizes,
+            "fsdp_bytes_per_step": {t.value: b for t, b in traffic.bytes_per_step.items()}}
+    run = Run(cfg, rank, device, topo, mesh, model, optimizer, traffic, fed, loader, held, meta, info, monitor)
+    monitor.poison = lambda: _poison(model)
+    if cfg.resume:
+        _resume(run)
+    return run
 
-    res = TrainResult(start_step=start_step, tokens_per_step=tokens_per_step)
-    counter = TierCounter(mesh.stats)
-    group_pg, G = mesh.groups["group"], topo.group_size
-    bar = None
-    if cfg.progress and rank == 0:
-        from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=start_step, desc=cfg.strategy, unit="step",
-                   dynamic_ncols=True, file=sys.stderr)
-    sums = {t: 0 for t in LinkTier}
-    exposed_prev = fed.exposed_comm_s if fed is not None else 0.0
-    t_start = time.perf_counter() - elapsed0
-    model.train()
-    step = start_step
-    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    try:
-        for step in range(start_step + 1, end + 1):
-            t0 = time.perf_counter()
-            lr = lr_at(cfg, step)
-            for g in optimizer.param_groups:
-                g["lr"] = lr
-            x, y = loader.next_batch()
-            loss = lm_loss(model(x), y)
-            loss.backward()
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            traffic.record_step()
-            if fed is not None:
-                fed.step()
-            # NOTE: the logged loss is the mean over this rank's federation group (an intra-group
-            # collective); a world-wide one per step would put a sync on the slow links.
-            lt = loss.detach().float().reshape(1)
-            dist.all_reduce(lt, group=group_pg)
-            loss_v = float(lt) / G
-            dt = time.perf_counter() - t0
-            res.losses.append(loss_v)
-            last = step == end
-            ev = None
-            if (cfg.eval_every and step % cfg.eval_every == 0) or last:
-                if fed is not None:
-                    fed.finish()
-                ev = counter.excluding(lambda: evaluate(model, held, device))
-                res.eval_losses[step] = ev
-            if cfg.checkpoint_dir and ((cfg.save_every and step % cfg.save_every == 0) or last):
-                if fed is not None:
-                    fed.finish()
-                rank_state = {"step": step, "data": loader.state_dict(),
-                              "fed": fed.state_dict() if fed is not None else None,
-                              "elapsed_s": time.perf_counter() - t_start}
-                ckpt.save(cfg.checkpoint_dir, step, model, optimizer, rank_state, meta, coords.group,
-                          cfg.keep_checkpoints, _save_fault)
-            # NOTE: bytes and exposed time are read after evaluation and checkpointing: their
-            # fed.finish() may complete (and, bucket by bucket, issue) this step's exchange.
-            exposed = (fed.exposed_comm_s - exposed_prev) if fed is not None else 0.0
-            exposed_prev = fed.exposed_comm_s if fed is not None else 0.0
-            d = counter.delta()
-            for t in LinkTier:
-                sums[t] += d[t]
-            rec: dict[str, Any] = {
-                "step": step, "loss": loss_v, "lr": lr, "tokens": step * tokens_per_step,
-                "time_s": time.perf_counter() - t_start, "tokens_per_s": tokens_per_step / dt,
-                "step_time_s": dt, "exposed_comm_s": exposed,
-                "internode_bytes": d[LinkTier.INTER_NODE], "intergroup_bytes": d[LinkTier.INTER_GROUP],
-                "intranode_bytes": d[LinkTier.INTRA_NODE],
-            }
-            if fed is not None:
-                rec["num_syncs"] = fed.num_syncs
-            if ev is not None:
-                rec["eval_loss"], rec["eval_ppl"] = ev, perplexity(ev)
-            writer.write(rec)
-            if bar is not None:
-                bar.update(1)
-                post = {"loss": f"{loss_v:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
-                if ev is not None:
-                    post["eval"] = f"{ev:.3f}"
-                bar.set_postfix(post, refresh=False)
+@torch.no_grad()
+def _poison(model: nn.Module) -> None:
+    """NaN into this rank's parameters (the fault tests' "nan" action)."""
+    for p in model.parameters():
+        p.fill_(float("nan"))
+
+
+def _resume(run: Run) -> None:
+    """Load the latest checkpoint of ``run.cfg.checkpoint_dir``, if there is one: model,
+    optimizer, data position, FedAvg state, step (refusing another topology, model, seed or,
+    without ``allow_data_change``, other data)."""
+    cfg = run.cfg
+    path = ckpt.latest_checkpoint(cfg.checkpoint_dir)
+    if path is not None:
+        ckpt.check_resume(ckpt.read_meta(path), run.meta, path, cfg.allow_data_change)
+        coords = run.mesh.coords
+        _, rs = ckpt.load(path, run.model, run.optimizer, coords.group, run.topo, run.meta["model"])
+        run.loader.load_state_dict(rs["data"])
+        if run.fed is not None:
+            if rs.get("fed") is None:
+                raise ValueError(f"checkpoint {path} has no FedAvg state (written by strategy "
+                                 f"without federation), cannot resume {cfg.strategy}")
+            run.fed.load_state_dict(rs["fed"])
+        run.start_step, run.elapsed0, run.resumed_from = int(rs["step"]), float(rs.get("elapsed_s", 0.0)), path
+    if run.rank == 0:
+        print(f"flcomm.train: resuming from {path} (step {run.start_step})" if path else
+              f"flcomm.train: no checkpoint in {cfg.checkpoint_dir}, starting at step 0",
+              file=sys.stderr, flush=True)
+
+
+def _agree_non_finite(run: Run, step: int) -> None:
+    """World-wide agreement on a non-finite step (``--nan-policy stop``): every rank raises
+    the same :class:`NonFiniteLossError`, naming the first bad step and the groups."""
+    F = run.topo.num_groups
+    t = torch.zeros(F, dtype=torch.int64, device=run.device)
+    if run.bad_step is not None:
+        t[run.mesh.coords.group] = run.bad_step
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    bad = {f: int(s) for f, s in enumerate(t.tolist()) if s > 0}
+    if bad:
+        first = min(bad.values())
+        raise NonFiniteLossError(
+            f"non-finite loss or gradient norm at step {first} (federation group(s) "
+            f"{sorted(bad)}, first bad step per group {bad}); stopped at step {step} on every rank "
+            "(--nan-policy stop; --nan-policy skip-step skips such steps instead)")
+
+
+def train_step(run: Run, step: int) -> float:
+    """One step: forward, backward, gradient norm (and clipping), the group's loss, then,
+    when everything is finite, the optimizer step; FedAvg's step either way (its schedule
+    must stay in step across groups). Returns the group-mean loss.
+
+    A non-finite loss or gradient norm is agreed on inside the federation group (with the
+    loss all-reduce); ``skip-step`` leaves the step out, ``stop`` leaves it out and raises on
+    every rank at the next world-wide point (at once for FSDP / HSDP, at the next FedAvg sync
+    for the FL strategies: the groups do not talk between syncs).
+    """
+    cfg, mon = run.cfg, run.monitor
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr_at(cfg, step)
+    mon.enter(step, "forward")
+    x, y = run.loader.next_batch()
+    loss = lm_loss(run.model(x), y)
+    mon.enter(step, "backward")
+    loss.backward()
+    mon.enter(step, "optimizer")
+    # NOTE: max_norm inf measures without scaling (the clip coefficient clamps to 1)
+    gn = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
+    mon.enter(step, "loss")
+    # NOTE: the logged loss is the mean over this rank's federation group (an intra-group
+    # collective); a world-wide one per step would put a sync on the slow links.
+    lt = torch.stack([loss.detach().float(), (~torch.isfinite(gn.detach().float())).float()])
+    dist.all_reduce(lt, group=run.mesh.groups["group"])
+    loss_v = float(lt[0]) / run.topo.group_size
+    bad = not math.isfinite(loss_v) or float(lt[1]) > 0
+    if bad and run.bad_step is None and cfg.nan_policy == "stop":
+        run.bad_step = step
+    if bad or run.bad_step is not None:
+        run.optimizer.zero_grad(set_to_none=True)
+        if bad and run.rank == run.topo.group_ranks(run.mesh.coords.group)[0]:
+            print(f"flcomm.train: step {step}: non-finite loss or gradient norm in federation group "
+                  f"{run.mesh.coords.group}; step skipped", file=sys.stderr, flush=True)
+    else:
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+    run.traffic.record_step()
+    if run.fed is not None:
+        if cfg.nan_policy == "stop" and step % cfg.sync_every == 0:
+            mon.enter(step, "nan-check")
+            _agree_non_finite(run, step)
+        mon.enter(step, "fedavg")
+        run.fed.step()
+    elif run.bad_step is not None:
+        _agree_non_finite(run, step)
+    return loss_v
+
+
+class StepLogger:
+    """Rank 0's per-step records (metrics JSONL and progress bar): loss, tokens/s, bytes per
+    link tier since the last record, exposed FedAvg time; the config record first and the
+    summary last."""
+
+    def __init__(self, run: Run) -> None:
+        cfg = run.cfg
+        self.run = run
+        self.writer = MetricsWriter(cfg.metrics if run.rank == 0 else None, append=run.resumed_from is not None)
+        self.writer.write({"config": {**cfg.to_dict(), **run.info, "resumed_from": run.resumed_from,
+                                      "start_step": run.start_step}})
+        self.counter = TierCounter(run.mesh.stats)
+        self.sums = {t: 0 for t in LinkTier}
+        self.exposed_prev = run.fed.exposed_comm_s if run.fed is not None else 0.0
+        self.t_start = time.perf_counter() - run.elapsed0
+        self.bar = None
+        if cfg.progress and run.rank == 0:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.steps, initial=run.start_step, desc=cfg.strategy, unit="step",
+                            dynamic_ncols=True, file=sys.stderr)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t_start
+
+    def step(self, step: int, loss: float, dt: float, ev: float | None) -> None:
+        """Record ``step``; bytes and exposed time are read here, after evaluation and
+        checkpointing, whose ``fed.finish()`` may complete (and, bucket by bucket, issue) this
+        step's exchange."""
+        fed, tps = self.run.fed, self.run.tokens_per_step
+        exposed = (fed.exposed_comm_s - self.exposed_prev) if fed is not None else 0.0
+        self.exposed_prev = fed.exposed_comm_s if fed is not None else 0.0
+        d = self.counter.delta()
+        for t in LinkTier:
+            self.sums[t] += d[t]
+        rec: dict[str, Any] = {
+            "step": step, "loss": loss, "lr": lr_at(self.run.cfg, step), "tokens": step * tps,
+            "time_s": self.elapsed(), "tokens_per_s": tps / dt, "step_time_s": dt, "exposed_comm_s": exposed,
+            "internode_bytes": d[LinkTier.INTER_NODE], "intergroup_bytes": d[LinkTier.INTER_GROUP],
+            "intranode_bytes": d[LinkTier.INTRA_NODE],
+        }
         if fed is not None:
-            fed.finish()
+            rec["num_syncs"] = fed.num_syncs
+        if ev is not None:
+            rec["eval_loss"], rec["eval_ppl"] = ev, perplexity(ev)
+        self.writer.write(rec)
+        if self.bar is not None:
+            self.bar.update(1)
+            post = {"loss": f"{loss:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
+            if ev is not None:
+                post["eval"] = f"{ev:.3f}"
+            self.bar.set_postfix(post, refresh=False)
+
+    def finish(self, res: TrainResult, step: int) -> None:
+        """Fill ``res``'s totals and write the summary record."""
+        res.final_step, res.wall_s = step, self.elapsed()
+        n = max(1, step - res.start_step)
+        res.bytes_per_step = {t.value: self.sums[t] / n for t in LinkTier}
+        res.num_syncs = self.run.fed.num_syncs if self.run.fed is not None else 0
+        ev = res.eval_losses.get(step)
+        self.writer.write({"summary": {"steps": step, "wall_s": res.wall_s,
+                                       "final_loss": res.losses[-1] if res.losses else None, "eval_loss": ev,
+                                       "eval_ppl": perplexity(ev) if ev is not None else None,
+                                       "bytes_per_step": res.bytes_per_step, "num_syncs": res.num_syncs}})
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.writer.close()
+
+
+@dataclass
+class CheckpointPolicy:
+    """When to evaluate and to save: every ``eval_every`` / ``save_every`` steps and at the last
+    step; both finish an exchange in flight first."""
+
+    cfg: TrainConfig
+    end: int
+    fault: Any = None  # ``fault(tmp_dir)``, passed to every save (tests inject a crash)
+
+    def eval_due(self, step: int) -> bool:
+        return bool(self.cfg.eval_every and step % self.cfg.eval_every == 0) or step == self.end
+
+    def save_due(self, step: int) -> bool:
+        c = self.cfg
+        return bool(c.checkpoint_dir) and (bool(c.save_every and step % c.save_every == 0) or step == self.end)
+
+    def save(self, run: Run, step: int, elapsed_s: float) -> None:
+        run.monitor.enter(step, "checkpoint")
+        if run.fed is not None:
+            run.fed.finish()
+        rank_state = {"step": step, "data": run.loader.state_dict(),
+                      "fed": run.fed.state_dict() if run.fed is not None else None, "elapsed_s": elapsed_s}
+        ckpt.save(self.cfg.checkpoint_dir, step, run.model, run.optimizer, rank_state, run.meta,
+                  run.mesh.coords.group, self.cfg.keep_checkpoints, self._fault_hook(run, step))
+
+    def _fault_hook(self, run: Run, step: int) -> Any:
+        f = run.monitor.fault
+        if f is None or f.phase != "checkpoint" or f.rank != run.rank or f.step != step:
+            return self.fault
+        return lambda tmp: f.fire()  # NOTE: an injected checkpoint fault fires after the files are written
+
+
+def train(cfg: TrainConfig, return_params: bool = False, stop_after: int | None = None,
+          _save_fault: Any = None, monitor: Monitor | None = None) -> TrainResult:
+    """Run ``cfg`` on this rank of an initialized process group (see the module docstring).
+
+    ``return_params`` adds the full (unsharded) parameters at the end to the result (tests).
+    ``stop_after`` ends the run after that step as if the job were stopped there (a time limit):
+    it evaluates and checkpoints as at the end, but the schedule still spans ``cfg.steps``.
+    ``_save_fault(tmp_dir)`` is passed to every checkpoint save (tests inject a crash).
+    ``monitor`` records this rank's phases and failure (:mod:`flcomm.train.monitor`); a
+    failure is re-raised with the one-line report added as a note.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("train() needs torch.distributed to be initialized (use launch_local, "
+                           "worker_main or torchrun)")
+    mon = monitor or Monitor(None, dist.get_rank(), dist.get_world_size())
+    try:
+        return _train(cfg, mon, return_params, stop_after, _save_fault)
+    except BaseException as e:
+        msg = mon.fail(e)
+        if hasattr(e, "add_note"):  # NOTE: Python >= 3.11; the monitor keeps it either way
+            e.add_note(msg)
+        raise
+
+
+def _train(cfg: TrainConfig, mon: Monitor, return_params: bool, stop_after: int | None,
+           save_fault: Any) -> TrainResult:
+    run = build_run(cfg, mon)
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    policy = CheckpointPolicy(cfg, end, save_fault)
+    log = StepLogger(run)
+    res = TrainResult(start_step=run.start_step, tokens_per_step=run.tokens_per_step)
+    run.model.train()
+    step = run.start_step
+    try:
+        for step in range(run.start_step + 1, end + 1):
+            t0 = time.perf_counter()
+            res.losses.append(train_step(run, step))
+            dt = time.perf_counter() - t0
+            if cfg.nan_policy == "stop" and (policy.eval_due(step) or policy.save_due(step)):
+                mon.enter(step, "nan-check")
+                _agree_non_finite(run, step)
+            ev = None
+            if policy.eval_due(step):
+                mon.enter(step, "eval")
+                if run.fed is not None:
+                    run.fed.finish()
+                ev = res.eval_losses[step] = log.counter.excluding(lambda: evaluate(run.model, run.held, run.device))
+            if policy.save_due(step):
+                policy.save(run, step, log.elapsed())
+            log.step(step, res.losses[-1], dt, ev)
+        mon.enter(step, "end")
+        if run.fed is not None:
+            run.fed.finish()
+        log.finish(res, step)
     finally:
-        if bar is not None:
-            bar.close()
-    res.final_step = step
-    res.wall_s = time.perf_counter() - t_start
-    n = max(1, step - start_step)
-    res.bytes_per_step = {t.value: sums[t] / n for t in LinkTier}
-    res.num_syncs = fed.num_syncs if fed is not None else 0
-    steps_recs = res.losses
-    writer.write({"summary": {"steps": step, "wall_s": res.wall_s,
-                              "final_loss": steps_recs[-1] if steps_recs else None,
-                              "eval_loss": res.eval_losses.get(step),
-                              "eval_ppl": perplexity(res.eval_losses[step]) if step in res.eval_losses else None,
-                              "bytes_per_step": res.bytes_per_step, "num_syncs": res.num_syncs}})
-    writer.close()
+        log.close()
+    mon.done()
     if return_params:
-        res.params = _full_params(model)
+        res.params = _full_params(run.model)
     return res
 
 
-# ---------------------------------------------------------------- process launch
-def _backend(cfg: TrainConfig) -> str:
-    if cfg.backend != "auto":
-        return cfg.backend
-    return "nccl" if torch.cuda.is_available() and "LOCAL_RANK" in os.environ else "gloo"
-
-
-def worker_main(cfg: TrainConfig) -> TrainResult:
-    """Entry point of one rank under torchrun (env://: RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
-    backend = _backend(cfg)
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise RuntimeError("--backend nccl needs CUDA GPUs; none is visible (use gloo on CPU)")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
-    try:
-        return train(cfg)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _local_worker(rank: int, world: int, port: int, threads: int, cfg: TrainConfig) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(cfg.ranks_per_node or world)})
-    # NOTE: N ranks share the machine's cores: an even split of intra-op threads each.
-    torch.set_num_threads(threads)
-    worker_main(cfg)
-
-
 def check_before_launch(cfg: TrainConfig, world_size: int) -> Topology:
-    """What can be refused before any process starts: the topology against the world size and
-    a checkpoint to resume from that was written by another topology or model."""
+    """What can be refused before any process starts: the topology against the world size,
+    the model (``seq_len`` within its ``max_seq_len``), the data file and its token ids, and
+    a checkpoint to resume from (its files' hashes, and the same topology, model, seed and,
+    without ``allow_data_change``, data)."""
     topo = resolve_topology(cfg, world_size, cfg.ranks_per_node)
-    cfg.model_config()
+    mcfg = cfg.model_config()
+    tokens = load_tokens(cfg.data, cfg.data_dtype, cfg.max_tokens)
+    check_vocab(tokens, mcfg.vocab_size, data_source(cfg.data))
     if cfg.resume and cfg.checkpoint_dir:
         path = ckpt.latest_checkpoint(cfg.checkpoint_dir)
         if path is not None:
-            ckpt.check_compatible(ckpt.read_meta(path), topo, cfg.model_config().to_dict(), path)
+            meta = ckpt.read_meta(path)
+            ckpt.check_compatible(meta, topo, mcfg.to_dict(), path)
+            run_meta = {"seed": cfg.seed, "data": data_record(cfg.data, tokens)}
+            ckpt.check_resume(meta, run_meta, path, cfg.allow_data_change)
+            ckpt.verify_files(path, meta)
     return topo
-
-
-def launch_local(cfg: TrainConfig, nproc: int, timeout_s: float | None = None) -> None:
-    """Run ``cfg`` on ``nproc`` local processes with gloo (CPU). Raises RuntimeError naming the
-    ranks that failed (each prints its own traceback); stops the others on the first failure."""
-    import torch.multiprocessing as mp
-
-    _pos_int("nproc", nproc)
-    if cfg.backend == "nccl":
-        raise ValueError("--nproc launches local CPU processes with gloo; for NCCL use torchrun")
-    from dataclasses import replace
-
-    cfg = replace(cfg, backend="gloo", ranks_per_node=cfg.ranks_per_node or nproc)
-    check_before_launch(cfg, nproc)
-    threads = max(1, (os.cpu_count() or 1) // nproc)
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_local_worker, args=(r, nproc, port, threads, cfg), daemon=False)
-             for r in range(nproc)]
-    for p in procs:
-        p.start()
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    failed: list[int] = []
-    try:
-        while True:
-            alive = [p for p in procs if p.exitcode is None]
-            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if failed or not alive:
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"training did not finish within {timeout_s:.0f} s")
-            alive[0].join(timeout=0.2)
-    finally:
-        if failed or any(p.exitcode is None for p in procs):
-            time.sleep(0.5 if failed else 0.0)
-            for p in procs:
-                if p.exitcode is None:
-                    p.terminate()
-            for p in procs:
-                p.join(timeout=10)
-                if p.exitcode is None:
-                    p.kill()
-                    p.join()
-    if failed:
-        codes = {r: procs[r].exitcode for r in failed}
-        raise RuntimeError(f"rank(s) {failed} failed (exit codes {codes}); see their tracebacks above")

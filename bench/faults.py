@@ -1,0 +1,292 @@
+"""The fault matrix: a rank killed or frozen in each phase of a run, and the launcher killed,
+on CPU/gloo with 4 ranks; every case must end within a bound, name the failed rank and the
+phase, leave no process behind, and keep the last checkpoint loadable.
+
+    python -m bench.faults                     # the full matrix: FL+FSDP and FL+HSDP, a table
+    python -m bench.faults --json out.json     # also every case's record as JSON
+    python -m bench.faults --quick             # FL+FSDP only (what tests/test_faults.py runs)
+
+Cases: {kill, freeze} x {forward, backward (reduce-scatter), FedAvg exchange, checkpoint save}
+x strategy, under the built-in launcher (``--nproc 4``) and as four separate ranks (each its
+own ``python -m flcomm.train`` with torchrun's environment variables, rank 0 hosting the
+store), plus the launcher itself killed with SIGTERM and SIGKILL. Columns: the case, the exit
+code, seconds from the fault until the last rank ended and until the launcher ended, whether
+that stayed within the bound (2 x the collective timeout for the ranks, 10 s more for the
+launcher), whether the message names the failed rank and the phase, processes left behind, and
+the newest complete checkpoint's step (verified against its hashes). ``hangs`` and ``orphans``
+in the last line must be 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+PHASES = {"forward": (3, "forward"), "backward": (3, "backward"), "fedavg": (4, "fedavg"),
+          "checkpoint": (4, "checkpoint")}  # case -> (step, monitor phase); E = 2, saves every 2
+PHASE_WORDS = {"forward": "forward", "backward": "backward", "fedavg": "FedAvg", "checkpoint": "checkpoint"}
+FAULTY_RANK = 1
+LAUNCHER_SLACK_S = 10.0  # the launcher's own end: stopping a frozen rank, interpreter exit
+
+
+def train_args(strategy: str, timeout_s: float, steps: int = 6, ckpt_dir: str | None = None) -> list[str]:
+    """A tiny 4-rank run: 2 emulated nodes of 2, FedAvg every 2 steps, a checkpoint every 2
+    (with ``ckpt_dir``)."""
+    args = ["--strategy", strategy, "--ranks-per-node", "2", "--model", "tiny", "--steps", str(steps),
+            "--batch-size", "2", "--seq-len", "32", "--max-tokens", "100000", "--sync-every", "2",
+            "--eval-batches", "1", "--eval-fraction", "0.05", "--warmup", "1", "--timeout-s", str(timeout_s),
+            "--no-progress"]
+    return args + (["--checkpoint-dir", ckpt_dir, "--save-every", "2"] if ckpt_dir else [])
+
+
+@dataclass
+class CaseResult:
+    case: str
+    rc: int | None = None
+    seconds: float | None = None      # from the fault (or the launcher's kill) to the last rank's end
+    launcher_s: float | None = None   # from the fault to the launcher's (or the last process's) exit
+    bound_s: float = 0.0
+    within_bound: bool = False
+    names_rank: bool = False
+    names_phase: bool = False
+    orphans: int = 0
+    hang: bool = False
+    checkpoint_step: int | None = None
+    message: str = ""
+    rank_pids: list[int] = field(default_factory=list)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra)
+    return env
+
+
+def _alive(pids: list[int]) -> list[int]:
+    from flcomm.train.monitor import process_state
+
+    return [p for p in pids if process_state(p) != "dead"]
+
+
+def _pgroup(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+            out.append(int(d))
+    return out
+
+
+def _heartbeats(log_dir: str, world: int) -> dict[int, dict | None]:
+    from flcomm.train.monitor import read_heartbeat
+
+    return {r: read_heartbeat(log_dir, r) for r in range(world)}
+
+
+def _latest_step(ckpt_dir: str) -> int | None:
+    from flcomm.train import checkpoint as ckpt
+
+    path = ckpt.latest_checkpoint(ckpt_dir)
+    if path is None:
+        return None
+    meta = ckpt.read_meta(path)
+    ckpt.verify_files(path, meta)
+    return int(meta["step"])
+
+
+def _reap(pids: list[int], wait_s: float) -> list[int]:
+    deadline = time.monotonic() + wait_s
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _alive(pids)
+    for p in left:  # NOTE: a harness must not leave them either
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+def run_rank_fault(strategy: str, action: str, phase: str, workdir: str, timeout_s: float = 5.0,
+                   separate: bool = False, wall_s: float = 240.0) -> CaseResult:
+    """Rank 1 ``action`` (kill | freeze) when it enters ``phase`` (a key of PHASES)."""
+    step, mphase = PHASES[phase]
+    name = f"{strategy} {'4 ranks' if separate else 'launcher'} {action} {phase}"
+    res = CaseResult(name, bound_s=2 * timeout_s)
+    log_dir, ckpt_dir = os.path.join(workdir, "log"), os.path.join(workdir, "ckpt")
+    args = train_args(strategy, timeout_s, ckpt_dir=ckpt_dir) + ["--log-dir", log_dir]
+    env = _env(FLCOMM_FAULT=f"{FAULTY_RANK}:{step}:{mphase}:{action}")
+    t_launch = time.time()
+    if separate:
+        procs = _start_separate(args, env)
+    else:
+        procs = [subprocess.Popen([sys.executable, "-m", "flcomm.train", "--nproc", "4", *args], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True)]
+    # NOTE: four separate ranks have no launcher to end a frozen one: its peers must end by
+    # themselves, then the harness kills it (torchrun's agent would)
+    errs = _wait_all([p for r, p in enumerate(procs) if not (separate and action == "freeze" and r == FAULTY_RANK)],
+                     wall_s)
+    if separate and action == "freeze":
+        procs[FAULTY_RANK].kill()
+        errs.insert(FAULTY_RANK, procs[FAULTY_RANK].communicate()[1] or "")
+    res.hang = any(p.returncode is None for p in procs)
+    t_end = time.time()
+    hbs = _heartbeats(log_dir, 4)
+    res.rank_pids = [int(h["pid"]) for h in hbs.values() if h]
+    res.orphans = len(_reap(res.rank_pids + [q for p in procs for q in _pgroup(p.pid)], 3.0))
+    res.rc = max((p.returncode for p in procs if p.returncode is not None), default=None)
+    res.message = (errs[0] if not separate else "\n".join(errs)).strip()
+    fault = hbs.get(FAULTY_RANK)
+    if fault is not None and fault.get("step") == step:
+        # NOTE: the faulty rank's last heartbeat is the phase it faulted in; every other rank
+        # writes its error record right before it exits
+        ends = [float(h["t"]) if h and h.get("state") == "error" else t_end
+                for r, h in hbs.items() if r != FAULTY_RANK]
+        res.seconds = max(ends) - float(fault["t"])
+        res.launcher_s = t_end - float(fault["t"])
+    else:
+        res.seconds = res.launcher_s = t_end - t_launch
+    res.within_bound = (res.seconds <= res.bound_s and res.launcher_s <= res.bound_s + LAUNCHER_SLACK_S
+                        and not res.hang)
+    res.names_rank = f"rank {FAULTY_RANK}" in res.message
+    res.names_phase = PHASE_WORDS[phase] in res.message
+    res.checkpoint_step = _latest_step(ckpt_dir)
+    return res
+
+
+def _start_separate(args: list[str], env: dict[str, str]) -> list[subprocess.Popen]:
+    import socket
+
+    with socket.socket() as s:  # NOTE: rank 0's store binds this port; a harness-only race
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(4):
+        e = dict(env, RANK=str(r), WORLD_SIZE="4", LOCAL_RANK=str(r % 2), LOCAL_WORLD_SIZE="2",
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "flcomm.train", *args], env=e,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
+    return procs
+
+
+def _wait_all(procs: list[subprocess.Popen], wall_s: float) -> list[str]:
+    deadline = time.monotonic() + wall_s
+    errs = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            err = ""
+        errs.append(err or "")
+    return errs
+
+
+def run_launcher_kill(strategy: str, sig: int, workdir: str, timeout_s: float = 5.0,
+                      wall_s: float = 240.0) -> CaseResult:
+    """Kill the ``--nproc 4`` launcher with ``sig`` once every rank is training (step 2)."""
+    from flcomm.train.monitor import read_heartbeat
+
+    res = CaseResult(f"{strategy} launcher {signal.Signals(sig).name}", bound_s=5.0)
+    log_dir = os.path.join(workdir, "log")
+    args = train_args(strategy, timeout_s, steps=200) + ["--log-dir", log_dir]
+    p = subprocess.Popen([sys.executable, "-m", "flcomm.train", "--nproc", "4", *args], env=_env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + wall_s
+    while time.monotonic() < deadline and p.poll() is None:
+        hbs = [read_heartbeat(log_dir, r) for r in range(4)]
+        if all(h is not None and h.get("step", 0) >= 2 for h in hbs):
+            break
+        time.sleep(0.2)
+    pids = [int(h["pid"]) for h in _heartbeats(log_dir, 4).values() if h]
+    t0 = time.time()
+    p.send_signal(sig)
+    try:
+        res.message = p.communicate(timeout=wall_s)[1] or ""
+    except subprocess.TimeoutExpired:
+        res.hang = True
+    left = pids
+    while time.time() - t0 < res.bound_s + 5 and (left := _alive(pids)):
+        time.sleep(0.05)
+    res.seconds = time.time() - t0
+    res.launcher_s = res.seconds
+    res.rc = p.returncode
+    res.rank_pids = pids
+    res.orphans = len(_reap(pids + _pgroup(p.pid), 0.0))
+    res.within_bound = len(pids) == 4 and res.seconds <= res.bound_s and not res.hang and res.rc == -sig
+    res.names_rank = res.names_phase = True  # NOTE: nothing failed: nothing to name
+    return res
+
+
+def matrix(quick: bool) -> list[tuple]:
+    strategies = ["fl-fsdp"] if quick else ["fl-fsdp", "fl-hsdp"]
+    cases: list[tuple] = []
+    for s in strategies:
+        for separate in ([False] if quick else [False, True]):
+            for action in ("kill", "freeze"):
+                for phase in PHASES:
+                    cases.append(("rank", s, action, phase, separate))
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            cases.append(("launcher", s, sig))
+    return cases
+
+
+def run(case: tuple, timeout_s: float) -> CaseResult:
+    with tempfile.TemporaryDirectory(prefix="flcomm-fault-") as d:
+        if case[0] == "rank":
+            _, s, action, phase, separate = case
+            return run_rank_fault(s, action, phase, d, timeout_s, separate)
+        return run_launcher_kill(case[1], case[2], d, timeout_s)
+
+
+def format_table(rows: list[CaseResult]) -> str:
+    head = (f"{'case':<36} {'rc':>4} {'ranks s':>7} {'launch s':>8} {'bound':>6} {'ok':>3} {'rank':>5} "
+            f"{'phase':>6} {'orph':>5} {'ckpt':>5}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.case:<36} {str(r.rc):>4} {r.seconds or 0:>7.1f} {r.launcher_s or 0:>8.1f} {r.bound_s:>6.1f} "
+                     f"{'y' if r.within_bound else 'n':>3} {'y' if r.names_rank else 'n':>5} "
+                     f"{'y' if r.names_phase else 'n':>6} {r.orphans:>5} {str(r.checkpoint_step):>5}")
+    hangs = sum(r.hang or not r.within_bound for r in rows)
+    lines.append(f"cases {len(rows)}, hangs {hangs}, orphans {sum(r.orphans for r in rows)}, "
+                 f"unnamed {sum(not (r.names_rank and r.names_phase) for r in rows)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.faults", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="FL+FSDP under the launcher only")
+    p.add_argument("--timeout-s", type=float, default=5.0, help="the runs' collective timeout")
+    p.add_argument("--json", default=None, help="write every case's record here")
+    args = p.parse_args(argv)
+    rows = []
+    for case in matrix(args.quick):
+        r = run(case, args.timeout_s)
+        rows.append(r)
+        print(f"{r.case}: rc {r.rc}, {r.seconds or 0:.1f} s, orphans {r.orphans}", file=sys.stderr, flush=True)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+    return 0 if all(r.within_bound and not r.orphans and r.names_rank and r.names_phase for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
