@@ -259,9 +259,10 @@ def run_torchrun(a: argparse.Namespace, specs: list[RunSpec], out_dir: str, log)
             if rank == 0:
                 log(f"run {i + 1}/{len(specs)}: {spec.label()}")
             t0 = time.perf_counter()
-            train(TrainConfig(strategy=spec.strategy, sync_every=spec.sync_every, codec=spec.codec,
+            train(TrainConfig(strategy=spec.strategy.value, sync_every=spec.sync_every, codec=spec.codec,
                               overlap=spec.overlap, group_size=spec.group_size, shard_size=spec.shard_size,
-                              metrics=path, **base))
+                              fragments=spec.fragments, sharded_exchange=False if spec.unsharded else None,
+                              hierarchical=spec.hierarchical, metrics=path, **base))
             if rank == 0:
                 results.append(_read(spec, path, time.perf_counter() - t0, None))
         if rank != 0:

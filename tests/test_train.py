@@ -132,7 +132,7 @@ def test_topology_defaults():
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(strategy="ddp"), "unknown strategy 'ddp'; expected one of fsdp, hsdp, fl-fsdp, fl-hsdp"),
+    (dict(strategy="ddp"), "strategy must be one of fsdp, hsdp, fl-fsdp, fl-hsdp, got 'ddp'"),
     (dict(sync_every=0), "sync_every .* must be an integer >= 1, got 0"),
     (dict(codec="zip"), "unknown codec 'zip'; known codecs: .*int8"),
     (dict(outer="adam"), "outer must be one of .*nesterov.*, got 'adam'"),
@@ -150,7 +150,7 @@ def test_bad_config(kw, match):
     (dict(strategy="fl-fsdp", ranks_per_node=2, group_size=3), 4, "group_size 3 does not divide world_size 4"),
     (dict(strategy="fl-fsdp", group_size=4), 4, "needs at least two federation groups"),
     (dict(strategy="hsdp", shard_size=4), 4, "needs at least two replicas"),
-    (dict(strategy="fsdp", group_size=2), 4, "--group-size is for the fl-\\* strategies"),
+    (dict(strategy="fsdp", group_size=2), 4, "group_size is for the fl-\\* strategies"),
 ])
 def test_topology_that_does_not_fit(kw, world, match):
     with pytest.raises(ValueError, match=match):
@@ -324,7 +324,10 @@ def test_metrics_files(strategy_runs):
     # + FedAvg's non-finite check: an all-reduce of one int32 flag per group (F = 2)
     sync = (blocks + root) // 2 + wire_bytes("all_reduce", 4 * 2, 2)
     assert [r["intergroup_bytes"] for r in fl] == [0, sync, 0, sync]
-    assert all(r["intranode_bytes"] == (blocks * 3 + root * 2) // 2 for r in fl)
+    # + FedAvg's refusal check at each sync: an all-reduce of (world + 1) int32 over the group
+    flags = wire_bytes("all_reduce", 4 * (4 + 1), 2)
+    assert [r["intranode_bytes"] for r in fl] == [(blocks * 3 + root * 2) // 2 + (flags if s else 0)
+                                                  for s in (0, 1, 0, 1)]
     # hierarchical FSDP (2 nodes x 2): the inter-node stage carries 1/2 of a 1/2-size buffer
     # (a third of the flat ring's inter-node bytes); the intra-node stage 1/2 of the buffer
     hier = read_metrics(os.path.join(out, "fsdp-hier.jsonl")).steps

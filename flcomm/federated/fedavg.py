@@ -60,6 +60,7 @@ fp64 (codec none; a lossy codec refuses them).
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -82,6 +83,9 @@ if TYPE_CHECKING:
     from flcomm.federated.topology import FedMesh
 
 STATE_VERSION = 1
+
+
+_RESIDUAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class InnerState(Choice, what="inner_state"):
@@ -185,19 +189,11 @@ class FedAvg:
                  optimizer: torch.optim.Optimizer | None = None, sync_init: bool = True,
                  offload: str | None = None, residual_dtype: str = "fp32", fragments: int = 1,
                  sharded_exchange: bool | None = None) -> None:
-        self._check_args(sync_every, bucket_mb, overlap_steps)
-        if not isinstance(fragments, int) or isinstance(fragments, bool) or fragments < 1 or sync_every % fragments:
-            raise ValueError(f"fragments (K) must be an integer >= 1 that divides sync_every={sync_every}, "
-                             f"got {fragments!r}")
-        if fragments > 1 and InnerState.parse(inner_state) is not InnerState.KEEP:
-            raise ValueError(f"inner_state={inner_state!r} is not supported with fragments > 1 (only 'keep')")
+        self.check_config(sync_every=sync_every, bucket_mb=bucket_mb, overlap_steps=overlap_steps,
+                          fragments=fragments, inner_state=inner_state, residual_dtype=residual_dtype,
+                          offload=offload)
         self.fragments = fragments
-        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-        if residual_dtype not in dtypes:
-            raise ValueError(f"residual_dtype must be one of {list(dtypes)}, got {residual_dtype!r}")
-        self.residual_dtype = dtypes[residual_dtype]
-        if offload not in (None, "cpu"):
-            raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+        self.residual_dtype = _RESIDUAL_DTYPES[residual_dtype]
         self.offload = offload
         self.codec_spec = resolve_codec(codec)
         self.codec = self.codec_spec.name
@@ -235,16 +231,32 @@ class FedAvg:
             self._init_federated(sync_init)
 
     @staticmethod
-    def _check_args(sync_every: Any, bucket_mb: Any, overlap_steps: Any) -> None:
+    def check_config(*, sync_every: Any, bucket_mb: Any = 25.0, overlap_steps: Any = 1, fragments: Any = 1,
+                     inner_state: Any = "keep", residual_dtype: Any = "fp32", offload: Any = None,
+                     codec: Any = "none", outer: Any = "avg") -> None:
+        """ValueError naming the setting, what is allowed and what came, for the settings that
+        need no model or mesh (the driver calls it before it launches anything)."""
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every (E, local steps between syncs) must be an integer >= 1, "
                              f"got {sync_every!r}")
-        if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < math.inf:
+            raise ValueError(f"bucket_mb must be a positive finite number, got {bucket_mb!r}")
         if (not isinstance(overlap_steps, int) or isinstance(overlap_steps, bool)
                 or not 1 <= overlap_steps <= sync_every):
             raise ValueError(f"overlap_steps (k, steps between a sync and its apply) must be an integer "
                              f"in [1, sync_every={sync_every}], got {overlap_steps!r}")
+        if not isinstance(fragments, int) or isinstance(fragments, bool) or fragments < 1 or sync_every % fragments:
+            raise ValueError(f"fragments (K) must be an integer >= 1 that divides sync_every={sync_every}, "
+                             f"got {fragments!r}")
+        if fragments > 1 and InnerState.parse(inner_state) is not InnerState.KEEP:
+            raise ValueError(f"inner_state={inner_state!r} is not supported with fragments > 1 (only 'keep')")
+        InnerState.parse(inner_state)
+        if residual_dtype not in _RESIDUAL_DTYPES:
+            raise ValueError(f"residual_dtype must be one of {list(_RESIDUAL_DTYPES)}, got {residual_dtype!r}")
+        if offload not in (None, "cpu"):
+            raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+        resolve_codec(codec)
+        Outer.parse(outer)
 
     def _init_federated(self, sync_init: bool) -> None:
         mesh = self.mesh

@@ -16,7 +16,9 @@ import os
 from collections.abc import Sequence
 from dataclasses import replace
 
-from flcomm.train.driver import STRATEGIES, TrainConfig
+from flcomm.comm.base import format_bytes
+from flcomm.federated.strategy import Strategy
+from flcomm.train.driver import TrainConfig
 from flcomm.train.launch import launch_local
 from flcomm.train.metrics import RunMetrics, read_metrics
 
@@ -30,10 +32,10 @@ COMPARE_DEFAULTS: dict[str, object] = {
 def run_config(base: TrainConfig, strategy: str, metrics: str) -> TrainConfig:
     """``base`` adapted to ``strategy``: the group size only for fl-*, the shard size only for
     the hybrid strategies; everything else is shared."""
-    fl, hybrid = strategy.startswith("fl-"), strategy.endswith("hsdp")
-    return replace(base, strategy=strategy, metrics=metrics,
-                   group_size=base.group_size if fl else None,
-                   shard_size=base.shard_size if hybrid else None,
+    st = Strategy.parse(strategy)
+    return replace(base, strategy=st.value, metrics=metrics,
+                   group_size=base.group_size if st.federated else None,
+                   shard_size=base.shard_size if st.hybrid else None,
                    checkpoint_dir=None, save_every=0, resume=False)
 
 
@@ -56,18 +58,11 @@ def summarize(run: RunMetrics) -> dict[str, float | str | None]:
     }
 
 
-def _fmt_bytes(b: float) -> str:
-    for unit, k in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if b >= k:
-            return f"{b / k:.2f} {unit}"
-    return f"{b:.0f} B"
-
-
 def format_table(rows: Sequence[dict]) -> str:
     head = ("run", "tokens/s", "inter-group B/step", "inter-node B/step", "exposed comm s/step",
             "eval loss", "wall s")
-    body = [(r["run"], f"{r['tokens_per_s']:.0f}", _fmt_bytes(r["intergroup_bytes_per_step"]),
-             _fmt_bytes(r["internode_bytes_per_step"]), f"{r['exposed_comm_s_per_step']:.4f}",
+    body = [(r["run"], f"{r['tokens_per_s']:.0f}", format_bytes(r["intergroup_bytes_per_step"]),
+             format_bytes(r["internode_bytes_per_step"]), f"{r['exposed_comm_s_per_step']:.4f}",
              "-" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}",
              "-" if r["wall_s"] is None else f"{r['wall_s']:.1f}") for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
@@ -80,8 +75,7 @@ def run_compare(base: TrainConfig, strategies: Sequence[str], nproc: int, out_di
     """Run every strategy, print the table, write ``out_dir/<strategy>.jsonl`` and
     ``out_dir/compare.png``; return the rows."""
     for s in strategies:
-        if s not in STRATEGIES:
-            raise ValueError(f"unknown strategy {s!r}; expected some of {', '.join(STRATEGIES)}")
+        Strategy.parse(s)
     if not strategies:
         raise ValueError("compare needs at least one strategy")
     os.makedirs(out_dir, exist_ok=True)

@@ -35,6 +35,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from flcomm.comm.base import LinkTier
+from flcomm.federated.fedavg import FedAvg, InnerState
+from flcomm.federated.outer import Outer
+from flcomm.federated.strategy import Strategy
 from flcomm.federated.topology import Topology
 from flcomm.train import checkpoint as ckpt
 from flcomm.train.data import (BUILTIN_CORPUS, ShardedLoader, check_vocab, data_record, data_source, eval_batches,
@@ -46,16 +49,10 @@ from flcomm.train.monitor import Monitor
 if TYPE_CHECKING:
     from flcomm.federated.topology import FedMesh
 
-STRATEGIES = ("fsdp", "hsdp", "fl-fsdp", "fl-hsdp")
-OUTERS = ("avg", "nesterov")
-INNER_STATES = ("keep", "average", "reset")
+STRATEGIES = Strategy.values()
+OUTERS = Outer.values()
+INNER_STATES = InnerState.values()
 NAN_POLICIES = ("stop", "skip-step")
-
-
-def known_codecs() -> tuple[str, ...]:
-    from flcomm.codecs import CODECS
-
-    return tuple(CODECS)
 
 
 def _pos_int(name: str, v: object, allow_zero: bool = False) -> None:
@@ -95,6 +92,11 @@ class TrainConfig:
     outer_momentum: float = 0.9
     inner_state: str = "keep"
     overlap: bool = False
+    overlap_steps: int = 1  # k: apply the average k steps after the sync (with overlap)
+    fragments: int = 1  # K: streaming, 1/K of the shard every E/K steps
+    offload: str | None = None  # "cpu": FedAvg's full-size buffers in pinned host memory
+    residual_dtype: str = "fp32"  # fp32 | bf16: the error-feedback residuals
+    sharded_exchange: bool | None = None  # FL+HSDP: 1/R of the shard per replica (None: on when R > 1)
     bucket_mb: float = 25.0
     # model and optimization
     model: str = "tiny"
@@ -142,7 +144,7 @@ class TrainConfig:
                 raise ValueError(f"unknown {label or name} {getattr(self, name)!r}; expected one of "
                                  f"{', '.join(allowed)}")
 
-        one_of("strategy", STRATEGIES)
+        Strategy.parse(self.strategy)
         one_of("model", tuple(PRESETS), "model preset")
         one_of("init", ("auto", "full", "meta"))
         one_of("mixed_precision", ("none", "bf16"))
@@ -160,10 +162,6 @@ class TrainConfig:
         for name, lo, lo_open in (("lr", 0.0, True), ("timeout_s", 0.0, True), ("weight_decay", 0.0, False),
                                   ("grad_clip", 0.0, False), ("outer_lr", 0.0, True), ("outer_momentum", 0.0, False)):
             _finite(name, getattr(self, name), lo, lo_open)
-        # NOTE: FedAvg checks sync_every and bucket_mb too, but only inside the workers: a bad
-        # value must be refused before any process starts (and FedAvg lets NaN through).
-        _pos_int("sync_every (E, local steps between FedAvg syncs)", self.sync_every)
-        _finite("bucket_mb", self.bucket_mb, 0.0, lo_open=True)
         for name in ("min_lr_ratio", "beta1", "beta2"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0.0 <= v <= 1.0):
@@ -177,22 +175,19 @@ class TrainConfig:
         self.check_federation()
 
     def check_federation(self) -> None:
-        """codec, outer and inner_state, by the parsers of the modules that own them."""
-        from flcomm.codecs import get_codec
-        from flcomm.federated.fedavg import InnerState
-        from flcomm.federated.outer import Outer
-
-        get_codec(self.codec)
-        Outer.parse(self.outer)
-        InnerState.parse(self.inner_state)
+        """The FedAvg settings, by FedAvg's own check (before any process starts)."""
+        FedAvg.check_config(sync_every=self.sync_every, bucket_mb=self.bucket_mb, overlap_steps=self.overlap_steps,
+                            fragments=self.fragments, inner_state=self.inner_state,
+                            residual_dtype=self.residual_dtype, offload=self.offload, codec=self.codec,
+                            outer=self.outer)
 
     @property
     def federated(self) -> bool:
-        return self.strategy.startswith("fl-")
+        return Strategy.parse(self.strategy).federated
 
     @property
     def hybrid(self) -> bool:
-        return self.strategy.endswith("hsdp")
+        return Strategy.parse(self.strategy).hybrid
 
     def model_config(self):
         over = {"vocab_size": self.vocab_size} if self.vocab_size else {}
@@ -213,60 +208,14 @@ class TrainConfig:
         return [f.name for f in fields(cls)]
 
 
-def _one_node(L: int, n: int) -> int:
-    """The default size of a sub-group of ``n`` ranks: one node of ``L``, or half of them when
-    they all sit on one node (so there are still two sub-groups)."""
-    return L if L < n else max(1, n // 2)
-
-
 def resolve_topology(cfg: TrainConfig, world_size: int, local_world_size: int | None = None) -> Topology:
-    """The strategy's Topology for ``world_size`` ranks, with defaults for what was not given.
-
-    Defaults: ranks per node L = ``local_world_size`` (torchrun's LOCAL_WORLD_SIZE) or the whole
-    world; fsdp: G = S = P; hsdp: G = P, S = L (a shard group is one node), or P / 2 on one
-    node; fl-fsdp: G = L (a federation group is one node), or P / 2 on one node, S = G;
-    fl-hsdp: G = 2 L when that leaves two or more groups, else as fl-fsdp, and S = L, or G / 2
-    when the group is one node. Raises ValueError naming the numbers when the result does
-    not fit the world or is not the strategy (e.g. FL with one group, HSDP with one replica).
-    """
+    """The strategy's Topology for ``world_size`` ranks: ranks per node L = ``ranks_per_node``,
+    else ``local_world_size`` (torchrun's LOCAL_WORLD_SIZE), else the whole world; G and S as
+    given, else the strategy's defaults (:meth:`flcomm.federated.strategy.Strategy.topology`,
+    which also refuses sizes that do not fit the world or are not the strategy)."""
     P = world_size
     L = cfg.ranks_per_node if cfg.ranks_per_node is not None else (local_world_size or P)
-    G, S = cfg.group_size, cfg.shard_size
-    if isinstance(L, int) and L >= 1 and (L > P or P % L):  # NOTE: Topology names a non-positive L
-        raise ValueError(f"ranks_per_node {L} does not divide the world of {P} ranks into whole nodes")
-    if cfg.strategy in ("fsdp", "hsdp"):
-        if G is not None and G != P:
-            raise ValueError(f"--group-size is for the fl-* strategies; {cfg.strategy} trains one group of "
-                             f"all {P} ranks, got group_size {G}")
-        G = P
-        if cfg.strategy == "fsdp":
-            if S is not None and S != G:
-                raise ValueError(f"fsdp shards over all {P} ranks; got shard_size {S} (use hsdp)")
-            S = G
-        elif S is None:
-            S = _one_node(L, P)
-    else:
-        if G is None:
-            if cfg.strategy == "fl-hsdp" and 2 * L < P and P % (2 * L) == 0:
-                G = 2 * L  # NOTE: two nodes per group, so HSDP's shard group is one node
-            else:
-                G = _one_node(L, P)
-        if cfg.strategy == "fl-fsdp":
-            if S is not None and S != G:
-                raise ValueError(f"fl-fsdp shards over the whole group of {G}; got shard_size {S} (use fl-hsdp)")
-            S = G
-        elif S is None:
-            S = _one_node(L, G)
-    topo = Topology(P, L, G, S)  # NOTE: raises with the numbers when something does not divide
-    if cfg.federated and not topo.federated:
-        raise ValueError(f"{cfg.strategy} needs at least two federation groups, but group_size {G} "
-                         f"covers the whole world of {P} ranks; choose --group-size < {P} (or "
-                         f"strategy {cfg.strategy[3:]})")
-    if cfg.hybrid and not topo.hybrid:
-        raise ValueError(f"{cfg.strategy} needs at least two replicas per group, but shard_size {S} "
-                         f"equals the group size {G}; choose --shard-size < {G} (or strategy "
-                         f"{cfg.strategy.replace('hsdp', 'fsdp')})")
-    return topo
+    return Strategy.parse(cfg.strategy).topology(P, L, cfg.group_size, cfg.shard_size)
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -429,12 +378,11 @@ def _build_model(cfg: TrainConfig, mesh: "FedMesh", device: torch.device) -> tup
     topo = mesh.topology
     hierarchical = cfg.hierarchical and len({r // topo.ranks_per_node for r in mesh.group_ranks["shard"]}) > 1
     if hierarchical:
-        from flcomm.collectives.hierarchical import Hierarchy
         from flcomm.fsdp.fsdp2 import apply_hierarchical_collectives
 
         # NOTE: the hooks' transports count their own bytes (intra- and inter-node apart) into
         # mesh.stats, so FsdpTraffic leaves the shard-dim collectives out.
-        apply_hierarchical_collectives(model, Hierarchy.from_mesh(mesh, "shard"))
+        apply_hierarchical_collectives(model, mesh.hierarchy("shard"))
     elif cfg.hierarchical and mesh.rank == 0:
         print("flcomm.train: --hierarchical has no effect: the shard group lies inside one node",
               file=sys.stderr, flush=True)
@@ -476,12 +424,12 @@ def build_run(cfg: TrainConfig, monitor: Monitor) -> Run:
     loader, held, data_rec, sizes = _build_data(cfg, mesh, device)
     fed = None
     if cfg.federated:
-        from flcomm.federated.fedavg import FedAvg
-
         fed = FedAvg(model, mesh, sync_every=cfg.sync_every, codec=cfg.codec,
                      error_feedback=cfg.error_feedback, outer=cfg.outer, outer_lr=cfg.outer_lr,
                      outer_momentum=cfg.outer_momentum, inner_state=cfg.inner_state,
-                     overlap=cfg.overlap, bucket_mb=cfg.bucket_mb, optimizer=optimizer)
+                     overlap=cfg.overlap, overlap_steps=cfg.overlap_steps, fragments=cfg.fragments,
+                     offload=cfg.offload, residual_dtype=cfg.residual_dtype,
+                     sharded_exchange=cfg.sharded_exchange, bucket_mb=cfg.bucket_mb, optimizer=optimizer)
     mcfg = cfg.model_config()
     meta = {"strategy": cfg.strategy, "topology": topo.to_dict(), "model": mcfg.to_dict(), "seed": cfg.seed,
             "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "data": data_rec}

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from flcomm.comm.base import CommStats, LinkTier, wire_bytes
+from flcomm.federated.strategy import Strategy
 
 T = TypeVar("T")
 
@@ -88,7 +89,7 @@ class RunMetrics:
         if not c:
             return os.path.basename(self.path)
         s = c.get("strategy", "?")
-        if str(s).startswith("fl-"):
+        if s in Strategy.values() and Strategy.parse(s).federated:
             s += f" E={c.get('sync_every')} {c.get('codec')}"
         return s
 
