@@ -277,14 +277,17 @@ STARTUP_TIMEOUT_S = 120.0
 
 def _startup_barrier(cfg: TrainConfig) -> None:
     """Wait for every rank to have built its model and read its data, for up to
-    max(timeout_s, STARTUP_TIMEOUT_S)."""
-    # NOTE: ranks build their models and read their data at different speeds (a loaded host,
-    # a slow file system); the first collective after that would otherwise time out after
-    # timeout_s, which is meant for a step's collectives. A group of its own carries the
-    # longer timeout (its creation already waits for every rank).
+    max(timeout_s, STARTUP_TIMEOUT_S); then the default group gets ``timeout_s``."""
+    # NOTE: ranks start and build their models at different speeds (a loaded host, a slow file
+    # system, torch imported by each rank); the first collectives would otherwise time out
+    # after timeout_s, which is meant for a step's collectives. The launchers initialize the
+    # default group with the start-up timeout; a group of its own carries it here (its
+    # creation already waits for every rank).
     g = dist.new_group(timeout=timedelta(seconds=max(cfg.timeout_s, STARTUP_TIMEOUT_S)))
     dist.barrier(group=g)
     dist.destroy_process_group(g)
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # torch < 2.12
+    set_timeout(timedelta(seconds=cfg.timeout_s))
 
 
 def _check_same_data(fp: int, device: torch.device) -> None:

@@ -61,8 +61,10 @@ def worker_main(cfg: TrainConfig, store: Any = None, monitor: Monitor | None = N
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if store is None:
         store = _env_store(rank, world, cfg.timeout_s)
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s), store=store, rank=rank,
-                            world_size=world)
+    # NOTE: the start-up timeout until every rank has built its model (train() then sets the
+    # default group's timeout to timeout_s: driver._startup_barrier)
+    dist.init_process_group(backend, timeout=timedelta(seconds=max(cfg.timeout_s, STARTUP_TIMEOUT_S)),
+                            store=store, rank=rank, world_size=world)
     try:
         return train(cfg, monitor=monitor)
     finally:
