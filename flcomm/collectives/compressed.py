@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from flcomm.codecs import Codec, get_codec
-from flcomm.comm.base import ReduceOp, Transport, Work
+from flcomm.comm.base import ReduceOp, Transport, Work, wire_bytes
 from flcomm.kernels import check_fp32
 
 __all__ = ["CompressedWork", "TwoHopPlan", "chunk_numel", "compressed_all_reduce", "compressed_wire_bytes",
@@ -51,12 +51,11 @@ def compressed_wire_bytes(numel: int, world: int, codec: str | Codec = "int8") -
     """Bytes one rank sends in :func:`compressed_all_reduce` (all-to-all plus all-gather), in the
     transports' convention (``(W-1)/W`` of the buffer for each)."""
     codec = get_codec(codec)
-    if world <= 1:
-        return 0
     if codec.lossless:
-        return 2 * (world - 1) * 4 * numel // world
-    e = codec.encoded_nbytes(chunk_numel(numel, world, codec))
-    return 2 * (world - 1) * e
+        return wire_bytes("all_reduce", 4 * numel, world)
+    # NOTE: hop 1 all-to-all and hop 2 all-gather, each of `world` encoded chunks
+    e = world * codec.encoded_nbytes(chunk_numel(numel, world, codec))
+    return wire_bytes("all_to_all", e, world) + wire_bytes("all_gather", e, world)
 
 
 def parse_sum_avg(op: Any) -> ReduceOp:

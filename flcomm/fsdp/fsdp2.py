@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
+from flcomm.collectives.compressed import compressed_all_reduce
 from flcomm.collectives.hierarchical import Hierarchy
 from flcomm.comm.base import ReduceOp, Transport
 
@@ -195,17 +196,6 @@ class ReplicateAllReduceHook:
             raise ValueError("error_feedback needs a lossy codec (e.g. 'int8'), got codec=None")
         self.error_feedback = error_feedback
         self.residual: Tensor | None = None
-        if self.codec is not None:
-            self._compressed = self._load_compressed()
-
-    @staticmethod
-    def _load_compressed() -> Any:
-        try:
-            from flcomm.collectives.compressed import compressed_all_reduce
-        except ImportError as e:
-            raise ImportError(f"a compressed all-reduce hook needs flcomm.collectives.compressed ({e}); "
-                              "use codec=None for the exact all-reduce") from e
-        return compressed_all_reduce
 
     def __call__(self, reduce_output: Tensor) -> None:
         if reduce_output.is_cuda:
@@ -230,7 +220,7 @@ class ReplicateAllReduceHook:
                                  f"{tuple(self.residual.shape)}, this gradient {tuple(buf.shape)}: "
                                  "use one hook per FSDP module")
             residual = self.residual
-        self._compressed(self.transport, buf, self.codec, self.op.value, residual=residual)
+        compressed_all_reduce(self.transport, buf, self.codec, self.op.value, residual=residual)
         if not exact_f32:
             reduce_output.copy_(buf)
 
