@@ -13,7 +13,8 @@ from datetime import timedelta
 import pytest
 import torch.multiprocessing as mp
 
-from tests.dist import _worker, free_port
+from flcomm.train.launch import bound_store
+from tests.dist import _worker
 from tests.fedavg_sim import batch, loss_fn, make_model, make_opt
 
 pytestmark = pytest.mark.timeout(240)
@@ -58,7 +59,8 @@ def test_killed_peer_ends_survivors_within_the_timeout():
     world = 3
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    port = free_port()
+    store = bound_store("127.0.0.1", world + 1, timedelta(seconds=60 + 2 * TIMEOUT_S))  # noqa: F841 - kept alive
+    port = store.port
     procs = [ctx.Process(target=_worker, args=(r, world, port, "gloo", _killed_peer, (), q, TIMEOUT_S),
                          daemon=True) for r in range(world)]
     for p in procs:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,7 +24,6 @@ import time
 import pytest
 
 from flcomm.train.metrics import read_metrics
-from tests.dist import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, E = 8, 2
@@ -64,6 +64,14 @@ def _stop(agents: list[subprocess.Popen], tag: bytes) -> list[int]:
     for a in agents:
         a.wait()
     return left
+
+
+def free_port() -> int:
+    """A port for torchrun's rendezvous (torchrun binds it itself, so it can only be picked here
+    and handed over)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.slow
