@@ -222,8 +222,7 @@ def run_launcher_kill(strategy: str, sig: int, workdir: str, timeout_s: float = 
         res.message = p.communicate(timeout=wall_s)[1] or ""
     except subprocess.TimeoutExpired:
         res.hang = True
-    left = pids
-    while time.time() - t0 < res.bound_s + 5 and (left := _alive(pids)):
+    while time.time() - t0 < res.bound_s + 5 and _alive(pids):
         time.sleep(0.05)
     res.seconds = time.time() - t0
     res.launcher_s = res.seconds
