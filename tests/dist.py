@@ -18,7 +18,11 @@ from typing import Any
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, q, timeout_s: float) -> None:
+STORE = None  # the job's store, in a rank (tests of the elastic federation use it directly)
+
+
+def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, q, timeout_s: float,
+            group_worlds: int | None = None) -> None:
     import torch
     import torch.distributed as dist
 
@@ -28,8 +32,15 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
     torch.set_num_threads(1)
     try:
         store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group(backend, rank=rank, world_size=world, store=store,
-                                timeout=timedelta(seconds=timeout_s))
+        global STORE
+        STORE = store
+        if group_worlds:  # NOTE: each federation group (contiguous ranks) its own world
+            G = group_worlds
+            dist.init_process_group(backend, rank=rank % G, world_size=G, timeout=timedelta(seconds=timeout_s),
+                                    store=dist.PrefixStore(f"flcomm/group{rank // G}/", store))
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world, store=store,
+                                    timeout=timedelta(seconds=timeout_s))
         result = fn(rank, world, *args)
         q.put((rank, "ok", pickle.dumps(result)))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
@@ -43,9 +54,14 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-                    backend: str = "gloo") -> list[Any]:
+                    backend: str = "gloo", group_worlds: int | None = None,
+                    may_die: frozenset[int] = frozenset()) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the results in
-    rank order. ``fn`` must be importable (module level) and its result picklable."""
+    rank order. ``fn`` must be importable (module level) and its result picklable.
+
+    ``group_worlds=G``: every block of G ranks is its own torch.distributed world (rank r is
+    rank r % G there); :data:`STORE` is the job's store. ``may_die``: ranks that may end
+    without a result (their result is None)."""
     from flcomm.train.launch import bound_store
 
     ctx = mp.get_context("spawn")
@@ -53,7 +69,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     # NOTE: the parent hosts the store on a port the kernel picked (no race for a free port)
     store = bound_store("127.0.0.1", world_size + 1, timedelta(seconds=timeout + 60))
     port = store.port
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, q, timeout),
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, q, timeout, group_worlds),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
@@ -63,13 +79,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     try:
-        while len(results) + len(errors) < world_size:
+        gone: set[int] = set()
+        while len(results) + len(errors) + len(gone) < world_size:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"distributed test timed out after {timeout + 30:.0f} s; ranks done: "
                                    f"{sorted(results)}, failed: {sorted(errors)}")
             if q.empty():
                 dead = [r for r, p in enumerate(procs)
                         if not p.is_alive() and p.exitcode not in (0, None) and r not in results and r not in errors]
+                gone |= {r for r in dead if r in may_die}
+                dead = [r for r in dead if r not in may_die]
                 if dead and q.empty():
                     time.sleep(0.5)
                     if q.empty():
@@ -93,4 +112,4 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-    return [results[r] for r in range(world_size)]
+    return [results.get(r) for r in range(world_size)]

@@ -94,7 +94,8 @@ def _tensor(m: nn.Module, name: str) -> Tensor:
 def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 1e-2,
              outer: str = "avg", outer_lr: float = 0.7, outer_momentum: float = 0.9,
              inner_state: str = "keep", overlap: bool = False, overlap_steps: int = 1, seed: int = 0,
-             model_kw: dict | None = None, fragments: int = 1) -> list[dict[str, Tensor]]:
+             model_kw: dict | None = None, fragments: int = 1,
+             drop_at: dict[int, int] | None = None) -> list[dict[str, Tensor]]:
     """Train F copies for T steps; return each copy's parameters and floating buffers.
 
     Sync at steps E, 2E, ...: ``avg`` sets every copy to the mean of the copies; ``nesterov``
@@ -105,6 +106,9 @@ def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 
     only) at the steps t with (t - j E / K) % E == 0 (Streaming DiLoCo). With ``overlap`` the result of the
     sync at step t is applied after the local step t + k (k = ``overlap_steps``; or at the end) as
     ``w_f += (new_global - old_global) - (w_f(t) - old_global)``.
+
+    ``drop_at[f] = s``: group f takes part in no sync at a step >= s (an elastic federation that
+    lost it there); the syncs average the other groups only, and its copy is left as it is.
     """
     model_kw = model_kw or {}
     models = [make_model(seed, **model_kw) for _ in range(F)]
@@ -126,9 +130,12 @@ def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 
     assert len(runs) == fragments and all(runs), (runs, sizes)
     pending: dict[int, tuple[dict, int]] = {}  # overlap: fragment -> (result, step to apply at)
 
+    drop_at = drop_at or {}
+    live: list[int] = list(range(F))
+
     @torch.no_grad()
     def sync(names: list[str]) -> dict:
-        mean = {n: torch.stack([_tensor(m, n).detach() for m in models]).mean(0) for n in names}
+        mean = {n: torch.stack([_tensor(models[k], n).detach() for k in live]).mean(0) for n in names}
         own = [{n: _tensor(m, n).detach() - glob[n] for n in names} for m in models]
         old = {n: glob[n].clone() for n in names}
         if outer_opt is None:
@@ -159,6 +166,8 @@ def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 
     @torch.no_grad()
     def apply(p: dict) -> None:
         for k, m in enumerate(models):
+            if k not in live:
+                continue
             for n in p["disp"]:
                 _tensor(m, n).add_(p["disp"][n] - p["own"][k][n])
 
@@ -174,12 +183,13 @@ def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 
         for j, run in enumerate(runs):
             if (t - j * E // fragments) % E:
                 continue
+            live[:] = [k for k in range(F) if drop_at.get(k, T + 1) > t]
             res = sync(run)
             if overlap:
                 pending[j] = (res, t + overlap_steps)
             else:
                 with torch.no_grad():
-                    for m in models:
+                    for m in (models[k] for k in live):
                         for n in run:
                             _tensor(m, n).copy_(glob[n])
     for j in sorted(pending):

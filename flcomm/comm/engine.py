@@ -19,7 +19,8 @@ queues it and returns a :class:`Job`, a :class:`~flcomm.comm.base.Handle`.
 Errors: an exception raised by a job is kept and re-raised (as :class:`EngineError`, naming the
 rank, the job and the stage it was in) by the job's ``wait()`` or ``check()``. Once a job failed,
 the engine fails every later job at once with the same cause: the transports it used are broken,
-and a later job would only wait for its timeout. ``wait(timeout)`` is bounded: a job still
+and a later job would only wait for its timeout (an elastic federation moves to a new lane with
+its new transports). ``wait(timeout)`` is bounded: a job still
 running after ``timeout`` raises :class:`EngineTimeout` naming its stage.
 
 Lanes: one engine per (device, lane). Jobs of one lane must use transports that no other thread
@@ -109,6 +110,10 @@ class Job:
     def _fail(self, cause: BaseException) -> None:
         self.error = cause
         self._done.set()
+
+    def host_done(self, timeout: float = 0.0) -> bool:
+        """The job's function has returned or raised (waits up to ``timeout`` seconds)."""
+        return self._done.wait(timeout)
 
     def is_completed(self) -> bool:
         if not self._done.is_set():

@@ -73,3 +73,59 @@ class TorchTransport(Transport):
         if self.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def store_group(store: "dist.Store", prefix: str, rank: int, size: int, backend: str,
+                timeout: timedelta) -> "dist.ProcessGroup":
+    """A process group of ``size`` ranks made from ``store`` under ``prefix``, outside
+    torch.distributed's registry: only its members take part in creating it (no world-wide
+    ``new_group``), and it can be dropped and replaced (elastic federation). ``rank`` is the
+    caller's rank inside the group; every collective carries ``timeout``."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if not 0 <= rank < size:
+        raise ValueError(f"rank must be in [0, {size}), got {rank}")
+    ps = dist.PrefixStore(prefix, store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(ps, rank, size, timeout)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(ps, rank, size, opts)
+
+
+class ProcessGroupTransport(TorchTransport):
+    """A :class:`Transport` on a process group from :func:`store_group` (not in torch's
+    registry, so it issues on the group object itself). ``ranks`` are its members' global
+    ranks, in group-rank order."""
+
+    def __init__(self, group: "dist.ProcessGroup", ranks: list[int], backend: str,
+                 tier: LinkTier | str = LinkTier.INTER_GROUP, stats: CommStats | None = None,
+                 timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+        if group.size() != len(ranks):
+            raise ValueError(f"the group has {group.size()} ranks, but {len(ranks)} global ranks were given")
+        Transport.__init__(self, group.rank(), group.size(), LinkTier(tier), stats, timeout)
+        self.group, self.ranks, self.backend = group, list(ranks), backend
+        self._stream_wait = backend == "nccl"
+
+    def _all_reduce(self, tensor: Tensor, op: ReduceOp) -> Any:
+        top, post = self._op(op, tensor)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = top
+        return self.group.allreduce([tensor], opts), post
+
+    def _reduce_scatter(self, output: Tensor, input: Tensor, op: ReduceOp) -> Any:
+        top, post = self._op(op, output)
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = top
+        return self.group._reduce_scatter_base(output, input, opts), post
+
+    def _all_gather(self, output: Tensor, input: Tensor) -> Any:
+        return self.group._allgather_base(output, input)
+
+    def _all_to_all(self, output: Tensor, input: Tensor) -> Any:
+        return self.group.alltoall_base(output, input, [], [], dist.AllToAllOptions())
+
+    def _broadcast(self, tensor: Tensor, src: int) -> Any:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        return self.group.broadcast([tensor], opts)

@@ -77,15 +77,9 @@ def replicate_transport(mesh: "FedMesh", sharded: bool | None) -> "Transport | N
     if sharded is False or topo.num_replicas == 1 or not topo.federated:
         return None
     if mesh not in _REPLICATE:
-        import torch.distributed as dist
-
         from flcomm.comm.torch_pg import TorchTransport
 
-        mine = None
-        for ranks in topo.dim_groups("replicate"):  # NOTE: every rank creates every group, in order
-            g = dist.new_group(ranks, timeout=mesh.timeout, use_local_synchronization=False)
-            if mesh.rank in ranks:
-                mine = g
+        mine = mesh.new_groups(topo.dim_groups("replicate"), "replicate_exchange")
         _REPLICATE[mesh] = TorchTransport(mine, mesh.tier("replicate"), mesh.stats, mesh.timeout)
     return _REPLICATE[mesh]
 

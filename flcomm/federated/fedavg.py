@@ -67,7 +67,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from flcomm.codecs import Codec
@@ -80,6 +79,7 @@ from flcomm.federated.outer import Outer, OuterOptimizer
 from flcomm.federated.shards import collect_slots, fingerprint, is_dtensor
 
 if TYPE_CHECKING:
+    from flcomm.federated.elastic import Federation
     from flcomm.federated.topology import FedMesh
 
 STATE_VERSION = 1
@@ -119,6 +119,7 @@ class _Fragment:
     job: Job | None = None
     apply_at: int = 0
     sync_step: int = 0
+    backup: list[tuple[Tensor, Tensor]] | None = None  # elastic: what the round mutates, as of its start
 
 
 def partition(numels: list[int], k: int) -> list[list[int]]:
@@ -172,6 +173,10 @@ class FedAvg:
             (default) or True: on when R > 1; False: every replica exchanges its whole shard.
             The replicas must hold identical shards (HSDP, or DDP inside the group).
         optimizer: the inner optimizer (needed by ``inner_state`` average / reset).
+        federation: an elastic :class:`~flcomm.federated.elastic.Federation`: the exchange runs
+            over its replaceable process groups, every round is agreed through the store, and a
+            round that failed is redone among the surviving groups (:meth:`_settle`); ``mesh``
+            is then a group's own world (``Topology.build(group_rank=...)``).
         sync_init: broadcast the model from federation group 0 at construction, so all groups
             start from one point (the algorithm assumes it).
 
@@ -188,10 +193,11 @@ class FedAvg:
                  overlap_steps: int = 1, bucket_mb: float = 25.0,
                  optimizer: torch.optim.Optimizer | None = None, sync_init: bool = True,
                  offload: str | None = None, residual_dtype: str = "fp32", fragments: int = 1,
-                 sharded_exchange: bool | None = None) -> None:
+                 sharded_exchange: bool | None = None, federation: "Federation | None" = None) -> None:
         self.check_config(sync_every=sync_every, bucket_mb=bucket_mb, overlap_steps=overlap_steps,
                           fragments=fragments, inner_state=inner_state, residual_dtype=residual_dtype,
-                          offload=offload)
+                          offload=offload, elastic=federation is not None, overlap=overlap)
+        self.federation = federation
         self.fragments = fragments
         self.residual_dtype = _RESIDUAL_DTYPES[residual_dtype]
         self.offload = offload
@@ -233,7 +239,8 @@ class FedAvg:
     @staticmethod
     def check_config(*, sync_every: Any, bucket_mb: Any = 25.0, overlap_steps: Any = 1, fragments: Any = 1,
                      inner_state: Any = "keep", residual_dtype: Any = "fp32", offload: Any = None,
-                     codec: Any = "none", outer: Any = "avg") -> None:
+                     codec: Any = "none", outer: Any = "avg", elastic: bool = False,
+                     overlap: bool = False) -> None:
         """ValueError naming the setting, what is allowed and what came, for the settings that
         need no model or mesh (the driver calls it before it launches anything)."""
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
@@ -251,6 +258,12 @@ class FedAvg:
         if fragments > 1 and InnerState.parse(inner_state) is not InnerState.KEEP:
             raise ValueError(f"inner_state={inner_state!r} is not supported with fragments > 1 (only 'keep')")
         InnerState.parse(inner_state)
+        if elastic and fragments > 1 and overlap:
+            raise ValueError("an elastic federation does not support overlap with fragments > 1 (a membership "
+                             "change would meet another fragment's round in flight); use one of them")
+        if elastic and InnerState.parse(inner_state) is not InnerState.KEEP:
+            raise ValueError(f"inner_state={inner_state!r} is not supported by an elastic federation (only 'keep': "
+                             "a redone round cannot undo an averaged or reset optimizer state)")
         if residual_dtype not in _RESIDUAL_DTYPES:
             raise ValueError(f"residual_dtype must be one of {list(_RESIDUAL_DTYPES)}, got {residual_dtype!r}")
         if offload not in (None, "cpu"):
@@ -260,10 +273,15 @@ class FedAvg:
 
     def _init_federated(self, sync_init: bool) -> None:
         mesh = self.mesh
-        self.fed_ranks: list[int] = list(mesh.group_ranks["fed"])
-        self.transport = mesh.transport("fed")
+        if self.federation is not None:
+            self.fed_ranks: list[int] = self.federation.fed_ranks
+            self.transport = self.federation._transport  # NOTE: None until a rejoining group is admitted
+        else:
+            self.fed_ranks = list(mesh.group_ranks["fed"])
+            self.transport = mesh.transport("fed")
         self.group_transport = mesh.transport("group")
-        self._check_peers()
+        if self.transport is not None:
+            self._check_peers()
         locals_ = [s.local for s in self.slots]
         devices = {t.device for t in locals_}
         if len(devices) > 1:
@@ -277,7 +295,7 @@ class FedAvg:
         # NOTE: bad ranks (world-wide) and an overflow bit, OR-ed over the federation group at
         # the apply, so every rank of every group refuses with the same message.
         self._world_flags = torch.zeros(self.topology.world_size + 1, dtype=torch.int32, device=self.device)
-        if sync_init:
+        if sync_init and self.transport is not None:
             self._broadcast_from_group0()
         work = [bucket_dtype(t.dtype, self.in_place) for t in locals_]
         home = torch.device("cpu") if self.offload else self.device
@@ -296,25 +314,42 @@ class FedAvg:
         for p in self.is_param:
             mom.append(n if p and self.outer_kind is Outer.NESTEROV else None)
             n += int(p)
+        self._mom = mom
         # NOTE: the partition uses the tensors' global sizes, so every rank cuts the same fragments
         parts = partition([s.numel for s in self.slots], self.fragments) if self.slots else [[]]
         # NOTE: the fragments' exchanges run one after another in the engine: one staging pool
-        staging = new_staging()
+        self._staging = new_staging()
         self.replicate = replicate_transport(mesh, self.sharded_exchange)  # None: not sharded
         for f, part in enumerate(parts):
             # NOTE: empty shards (FSDP uneven sharding) are left out of the exchange; the fed
             # peers hold the same shard coordinates, so they leave out the same ones.
             x = [i for i in part if locals_[i].numel() > 0]
-            ex = DeltaExchange(
+            flags = torch.zeros(len(self.fed_ranks), dtype=torch.int32, device=self.device)
+            self._frags.append(_Fragment(f, f * self.sync_every // self.fragments, part, x, None, flags))
+        if self.transport is not None:
+            self._build_exchanges()
+        self._engine = get_engine(self.device, "exchange")
+
+    def _build_exchanges(self) -> None:
+        """Each fragment's :class:`DeltaExchange` over the current fed transport (again after an
+        elastic membership change: the residuals carry over when the layout did not change)."""
+        locals_ = [s.local for s in self.slots]
+        for fr in self._frags:
+            x = fr.xidx
+            old = fr.exchange.state_dict() if fr.exchange is not None else None
+            fr.exchange = DeltaExchange(
                 self.transport, [locals_[i] for i in x], codec=self.codec_spec, bucket_mb=self.bucket_mb,
                 error_feedback=self.error_feedback, in_place=self.in_place,
                 anchors=None if self.in_place else [self._anchor[i] for i in x],
                 own=None if self._own is None else [self._own[i] for i in x], outer=self._outer,
-                momentum_index=[mom[i] for i in x], offload=self.offload is not None,
-                residual_dtype=self.residual_dtype, staging=staging, replicate=self.replicate) if x else None
-            flags = torch.zeros(len(self.fed_ranks), dtype=torch.int32, device=self.device)
-            self._frags.append(_Fragment(f, f * self.sync_every // self.fragments, part, x, ex, flags))
-        self._engine = get_engine(self.device, "exchange")
+                momentum_index=[self._mom[i] for i in x], offload=self.offload is not None,
+                residual_dtype=self.residual_dtype, staging=self._staging, replicate=self.replicate) if x else None
+            fr.flags = torch.zeros(len(self.fed_ranks), dtype=torch.int32, device=self.device)
+            if old is not None and fr.exchange is not None:
+                try:
+                    fr.exchange.load_state_dict(old)
+                except ValueError:  # NOTE: another fed group size pads the buckets otherwise: residuals restart at 0
+                    pass
 
     # ---------------------------------------------------------------- public API
     def step(self) -> bool:
@@ -439,10 +474,14 @@ class FedAvg:
 
     def check_compatible(self, sd: dict) -> None:
         """Raise ValueError when ``sd`` (or just its ``version``/``topology``/``config``
-        entries) comes from another topology or configuration."""
+        entries) comes from another topology or configuration. An elastic federation accepts
+        another number of groups (the same group shape)."""
         if sd.get("version") != STATE_VERSION:
             raise ValueError(f"FedAvg state version {sd.get('version')!r}, expected {STATE_VERSION}")
         mine, theirs = self._topology_meta(), sd.get("topology")
+        if self.federation is not None and isinstance(theirs, dict):
+            keys = ("ranks_per_node", "group_size", "shard_size")
+            mine, theirs = {k: mine[k] for k in keys}, {k: theirs.get(k) for k in keys}
         if theirs != mine:
             raise ValueError(f"FedAvg state is from another topology: saved {theirs}, this run has {mine}")
         cfg = sd.get("config", {})
@@ -454,19 +493,21 @@ class FedAvg:
             raise ValueError("FedAvg state was saved in the paper's in-place mode, which keeps no anchor; this "
                              f"run (codec={self.codec!r}, overlap={self.overlap}) needs one: resume in the same mode")
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict, source_rank: int | None = None) -> None:
         """Restore what :meth:`state_dict` saved (same topology, model and outer/error-feedback
-        configuration); clear errors otherwise."""
+        configuration); clear errors otherwise. ``source_rank``: the rank whose entry to load
+        (default this rank's; an elastic resume may take a fed peer's of another group: same
+        anchor and momentum, and its residuals are dropped)."""
         if self.in_flight:
             raise RuntimeError("FedAvg.load_state_dict() with an exchange in flight: call finish() first")
         self.check_compatible(sd)
         if self.federated:
-            self._load_rank_state(sd)
+            self._load_rank_state(sd, self.rank if source_rank is None else source_rank)
         self.steps = int(sd["steps"])
         self.num_syncs = int(sd["num_syncs"])
 
-    def _load_rank_state(self, sd: dict) -> None:
-        key = f"rank{self.rank}"
+    def _load_rank_state(self, sd: dict, source: int) -> None:
+        key = f"rank{source}"
         if key not in sd:
             have = sorted(k for k in sd if k.startswith("rank"))
             raise ValueError(f"FedAvg state has no entry {key!r} for this rank (has {have})")
@@ -485,7 +526,8 @@ class FedAvg:
         bufs = outer.get("buffers") or {}
         outer["buffers"] = list(bufs.values())
         self._outer.load_state_dict(outer, [tuple(a.shape) for a, p in zip(self._anchor, self.is_param) if p])
-        self._load_exchange_state(mine.get("exchange", {}))
+        if source == self.rank:
+            self._load_exchange_state(mine.get("exchange", {}))
         with torch.no_grad():
             for dst, src in zip(self._anchor, anchor.values()):
                 if dst is not src:
@@ -503,7 +545,12 @@ class FedAvg:
             raise ValueError(f"FedAvg state holds {len(sds)} fragment exchanges, this run has {len(self._frags)}")
         for fr, s in zip(self._frags, sds):
             if fr.exchange is not None:
-                fr.exchange.load_state_dict(s)
+                try:
+                    fr.exchange.load_state_dict(s)
+                except ValueError:
+                    if self.federation is None:
+                        raise
+                    # NOTE: elastic: saved with another number of groups (another bucket padding); residuals restart at 0
 
     # ---------------------------------------------------------------- internals
     def _topology_meta(self) -> dict:
@@ -513,9 +560,9 @@ class FedAvg:
         """All ranks of the fed group must hold the same shards of the same model."""
         # NOTE: on the transport's device: NCCL groups cannot gather CPU tensors
         fp = fingerprint(self.slots).to(self.transport.device)
-        group = self.mesh.groups["fed"]
-        got = [torch.zeros_like(fp) for _ in self.fed_ranks]
-        dist.all_gather(got, fp, group=group)
+        flat = torch.zeros(len(self.fed_ranks) * fp.numel(), dtype=fp.dtype, device=fp.device)
+        self.transport.all_gather(flat, fp)
+        got = list(flat.view(len(self.fed_ranks), -1))
         if any(not torch.equal(g, got[0]) for g in got):
             rows = ", ".join(f"rank {r}: {int(g[0])} tensors / {int(g[1])} elements / layout {int(g[2]):08x}"
                              for r, g in zip(self.fed_ranks, got))
@@ -526,15 +573,120 @@ class FedAvg:
 
     @torch.no_grad()
     def _broadcast_from_group0(self) -> None:
-        """Every rank takes federation group 0's shards (one broadcast per dtype; the flat copy
-        exists only here, at construction)."""
-        locals_ = [s.local for s in self.slots if s.local.numel()]
-        for dt in dict.fromkeys(t.dtype for t in locals_):
-            ts = [t for t in locals_ if t.dtype == dt]
-            flat = torch.cat([t.reshape(-1) for t in ts])
-            self.transport.broadcast(flat, src=0)
+        """Every rank takes federation group 0's shards (at construction)."""
+        self._broadcast([s.local for s in self.slots], 0)
+
+    @torch.no_grad()
+    def _broadcast(self, tensors: list[Tensor], src: int) -> None:
+        """Every rank of the fed group takes fed rank ``src``'s ``tensors`` (one broadcast per
+        dtype, through a flat copy on the transport's device that exists only here)."""
+        tensors = [t for t in tensors if t.numel()]
+        for dt in dict.fromkeys(t.dtype for t in tensors):
+            ts = [t for t in tensors if t.dtype == dt]
+            flat = torch.cat([t.reshape(-1).to(self.transport.device) for t in ts])
+            self.transport.broadcast(flat, src=src)
             for t, v in zip(ts, flat_views(flat, [t.shape for t in ts])):
                 t.copy_(v)
+
+    # ---------------------------------------------------------------- elastic federation
+    def _snapshot(self, fr: _Fragment) -> list[tuple[Tensor, Tensor]]:
+        """Host copies of what fragment ``fr``'s round mutates, as of its start: the local shards
+        (unless overlapping), anchors, own deltas, outer momentum and residuals."""
+        ts: list[Tensor] = []
+        for i in fr.xidx:
+            if self._own is None:
+                ts.append(self.slots[i].local)
+            if not self.in_place:
+                ts.append(self._anchor[i])
+            if self._own is not None:
+                ts.append(self._own[i])
+            if self._mom[i] is not None:
+                ts.append(self._outer.buffers[self._mom[i]])
+        if fr.exchange is not None:
+            ts += [r for r in fr.exchange.bar.residuals() if r is not None]
+        return [(t, t.detach().to("cpu", copy=True)) for t in ts]
+
+    def _settle(self, fr: _Fragment, job: Job, nb: int) -> ExchangeResult:
+        """Elastic: agree on fragment ``fr``'s round with every live rank
+        (:meth:`Federation.commit`). After an abort: the membership round, then the round's
+        inputs restored and the round redone among the survivors, until one commits. A round
+        that admits rejoining groups hands them the sync's state (:meth:`_handover`)."""
+        from flcomm.comm.engine import EngineError
+
+        fed = self.federation
+        assert fed is not None
+        name = f"s{fr.sync_step}f{fr.index}"
+        while True:
+            # NOTE: a rank whose peer left a collective (after an error of its own) may wait in
+            # it until the timeout: once another rank decided the round, it stops waiting and
+            # leaves the job behind on the old generation's lane
+            deadline, poll = time.monotonic() + (self.mesh.timeout * (2 * nb + 2)).total_seconds(), 0.001
+            while not job.host_done(poll) and not fed.decided(name) and time.monotonic() < deadline:
+                poll = min(0.05, 2 * poll)
+            res, ok = ExchangeResult(), False
+            if job.host_done():
+                try:
+                    res, ok = job.wait(), True
+                except EngineError:
+                    pass
+            outcome = fed.commit(name, ok)
+            if outcome.committed:
+                break
+            fed.reform(self.steps)
+            with torch.no_grad():
+                for t, saved in fr.backup or []:
+                    t.copy_(saved)
+            self._rebind()
+            self._submit(fr)
+            job, fr.job = fr.job, None
+        fr.backup = None
+        if outcome.admit:
+            self._handover(outcome.admit)
+        return res
+
+    def _rebind(self) -> None:
+        """The exchanges over the federation's current transport."""
+        assert self.federation is not None
+        self.transport = self.federation.transport
+        self.fed_ranks = self.federation.fed_ranks
+        self._fed_index = self.fed_ranks.index(self.rank)
+        # NOTE: a job of the old generation may still wait in a dead collective (until its
+        # timeout) and hold its lane and staging buffers: the new generation gets its own
+        self._engine = get_engine(self.device, f"exchange-gen{self.federation.generation}")
+        self._staging = new_staging()
+        self._build_exchanges()
+
+    def _sync_state(self) -> list[Tensor]:
+        """What a rejoining group takes from a survivor: the anchors (the shards themselves in
+        the paper's in-place mode) and the outer momentum."""
+        base = [s.local for s in self.slots] if self.in_place else list(self._anchor)
+        return base + list(self._outer.buffers)
+
+    def _handover(self, admit: tuple[int, ...]) -> None:
+        """Survivors, after a round that admitted ``admit``: the next generation, and the sync's
+        state broadcast from the lowest surviving group."""
+        assert self.federation is not None
+        self.federation.advance(admit, self.steps)
+        self._rebind()
+        self._broadcast(self._sync_state(), self.federation.source_index(admit))
+
+    @torch.no_grad()
+    def rejoin(self) -> int:
+        """A restarted group (its Federation made with ``rejoin_mode=True``): wait until the
+        survivors admit it at a sync, take the sync's state from a survivor, and start from it
+        (``local = anchor``; the residuals start at zero). Returns the step it joins at."""
+        if self.federation is None or not self.federation.rejoin_mode:
+            raise RuntimeError("FedAvg.rejoin() needs a Federation made with rejoin_mode=True")
+        m = self.federation.rejoin()
+        self._rebind()
+        self._broadcast(self._sync_state(), self.federation.source_index(m.joined))
+        if not self.in_place:
+            for s, a in zip(self.slots, self._anchor):
+                s.local.copy_(a)
+        for o in self._own or []:
+            o.zero_()
+        self.steps = m.step
+        return m.step
 
     @torch.no_grad()
     def _start(self, fr: _Fragment) -> None:
@@ -556,25 +708,31 @@ class FedAvg:
             self._average_inner_state()
         elif self.inner_state is InnerState.RESET:
             self.optimizer.state.clear()
-        xlocals = [locals_[i] for i in fr.xidx]
+        fr.sync_step = self.steps
+        fr.apply_at = self.steps + self.overlap_steps
+        if self.federation is not None:
+            fr.backup = self._snapshot(fr)
+        self._submit(fr)
+        self._exposed_host_s += time.perf_counter() - t0
+
+    def _submit(self, fr: _Fragment) -> None:
+        """Queue fragment ``fr``'s exchange (step 3-4) as a job of the progress engine."""
+        xlocals = [self.slots[i].local for i in fr.xidx]
         if self._engine.stream is not None:
             for t in [fr.flags, *xlocals]:
                 t.record_stream(self._engine.stream)
-        exchange, flags = fr.exchange, fr.flags
+        exchange, flags, transport = fr.exchange, fr.flags, self.transport
 
         def run(job: Job) -> ExchangeResult:
             job.stage = "non-finite flags all-reduce"
-            self.transport.all_reduce(flags, op="sum")
+            transport.all_reduce(flags, op="sum")
             # NOTE: every rank of the fed group sees the same flags: all skip the exchange
             if bool(flags.any()) or exchange is None:
                 return ExchangeResult()
             return exchange.run(job, xlocals)
 
-        fr.sync_step = self.steps
-        fr.apply_at = self.steps + self.overlap_steps
-        name = f"FedAvg exchange of step {self.steps}" + (f" (fragment {fr.index})" if self.fragments > 1 else "")
+        name = f"FedAvg exchange of step {fr.sync_step}" + (f" (fragment {fr.index})" if self.fragments > 1 else "")
         fr.job = self._engine.submit(run, name)
-        self._exposed_host_s += time.perf_counter() - t0
 
     @torch.no_grad()
     def _apply(self, fr: _Fragment) -> None:
@@ -589,7 +747,10 @@ class FedAvg:
         t0 = time.perf_counter()
         ev0 = self._record_event()
         nb = fr.exchange.bar.num_buckets if fr.exchange is not None else 0
-        res: ExchangeResult = job.wait(self.mesh.timeout * (2 * nb + 2))
+        if self.federation is None:
+            res: ExchangeResult = job.wait(self.mesh.timeout * (2 * nb + 2))
+        else:
+            res = self._settle(fr, job, nb)
         ev1 = self._record_event()
         if ev0 is not None:
             self._exposed_events.append((ev0, ev1))

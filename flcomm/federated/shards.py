@@ -103,12 +103,13 @@ def collect_slots(model: nn.Module, mesh: "FedMesh") -> tuple[str, list[Slot]]:
                 continue
             seen.add(id(fp))
             pg = unit.process_group
-            ranks = dist.get_process_group_ranks(pg)
+            ranks = mesh.global_ranks(dist.get_process_group_ranks(pg))
             if not set(ranks) <= group:
                 raise _group_error(f"FSDP1 unit {i} ({type(unit.module).__name__})", ranks, mesh)
             inter = getattr(unit, "_inter_node_pg", None)
-            if inter is not None and not set(dist.get_process_group_ranks(inter)) <= group:
-                raise _group_error(f"FSDP1 unit {i} replica group", dist.get_process_group_ranks(inter), mesh)
+            inter_ranks = mesh.global_ranks(dist.get_process_group_ranks(inter)) if inter is not None else []
+            if not set(inter_ranks) <= group:
+                raise _group_error(f"FSDP1 unit {i} replica group", inter_ranks, mesh)
             if fp.is_floating_point():
                 full = getattr(fp, "_unpadded_unsharded_size", None)
                 n = full.numel() if full is not None else fp.numel() * dist.get_world_size(pg)
@@ -119,7 +120,7 @@ def collect_slots(model: nn.Module, mesh: "FedMesh") -> tuple[str, list[Slot]]:
                 continue
             if is_dtensor(p):
                 dm = p.device_mesh
-                ranks = [int(r) for r in dm.mesh.flatten().tolist()]
+                ranks = mesh.global_ranks([int(r) for r in dm.mesh.flatten().tolist()])
                 if not set(ranks) <= group:
                     raise _group_error(f"parameter {name!r}", ranks, mesh)
                 coord = tuple(dm.get_coordinate() or ())

@@ -230,9 +230,15 @@ class Topology:
         return intra, inter
 
     def build(self, device_type: str = "cpu", stats: CommStats | None = None,
-              timeout: timedelta = DEFAULT_TIMEOUT, hierarchical: bool = True) -> "FedMesh":
-        """Create the DeviceMesh and the process groups (collective: every rank calls it)."""
-        return FedMesh(self, device_type, stats, timeout, hierarchical)
+              timeout: timedelta = DEFAULT_TIMEOUT, hierarchical: bool = True,
+              group_rank: int | None = None) -> "FedMesh":
+        """Create the DeviceMesh and the process groups (collective: every rank calls it).
+
+        ``group_rank``: torch.distributed's world is this rank's federation group only (elastic
+        federation: each group is its own world) and this is the rank's global rank; the mesh
+        then has the group's dims only, and the "fed" dim is left to the federation.
+        """
+        return FedMesh(self, device_type, stats, timeout, hierarchical, group_rank)
 
 
 class FedMesh:
@@ -248,29 +254,41 @@ class FedMesh:
     """
 
     def __init__(self, topo: Topology, device_type: str, stats: CommStats | None,
-                 timeout: timedelta, hierarchical: bool) -> None:
+                 timeout: timedelta, hierarchical: bool, group_rank: int | None = None) -> None:
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
         if not dist.is_initialized():
             raise RuntimeError("Topology.build needs torch.distributed to be initialized first")
-        if dist.get_world_size() != topo.world_size:
-            raise ValueError(f"topology is for world_size {topo.world_size}, but torch.distributed "
-                             f"has {dist.get_world_size()} ranks")
+        self.group_world = group_rank is not None
+        want = topo.group_size if self.group_world else topo.world_size
+        if dist.get_world_size() != want:
+            raise ValueError(f"topology is for {'a federation group of ' if self.group_world else ''}world_size "
+                             f"{want}, but torch.distributed has {dist.get_world_size()} ranks")
         self.topology = topo
-        self.rank = dist.get_rank()
+        self.rank = group_rank if self.group_world else dist.get_rank()
         self.coords = topo.coords(self.rank)
+        if self.group_world and dist.get_rank() != self.coords.index:
+            raise ValueError(f"rank {self.rank} is rank {self.coords.index} of federation group {self.coords.group}, "
+                             f"but torch.distributed's rank is {dist.get_rank()}")
+        # NOTE: in a group's own world, torch's rank of global rank r is its index in the group
+        self._own = topo.group_ranks(self.coords.group)
         self.stats = stats if stats is not None else CommStats()
         self.timeout = timeout
         self.group_ranks: dict[str, list[int]] = {}
-        self.groups: dict[str, dist.ProcessGroup] = {d: self._new_groups(topo.dim_groups(d), d) for d in MESH_DIMS}
+        dims = MESH_DIMS[1:] if self.group_world else MESH_DIMS
+        self.groups: dict[str, dist.ProcessGroup] = {d: self._new_groups(topo.dim_groups(d), d) for d in dims}
+        mesh = topo.mesh()
+        if self.group_world:
+            self.group_ranks["fed"] = topo.dim_groups("fed")[self.coords.index]
+            mesh = [[[self._own.index(r) for r in row] for row in mesh[self.coords.group]]]
         # NOTE: a DeviceMesh built by DeviceMesh(...) / init_device_mesh creates its dims' groups
         # with torch's default 30-minute timeout: a frozen rank would hang FSDP's collectives
         # that long. The mesh is built on our own groups instead, which carry ``timeout``.
         self.device_mesh: DeviceMesh = DeviceMesh.from_group(
-            [self.groups[d] for d in MESH_DIMS], device_type,
-            torch.tensor(topo.mesh(), dtype=torch.int), mesh_dim_names=MESH_DIMS)
+            [self.groups[d] for d in dims], device_type,
+            torch.tensor(mesh[0] if self.group_world else mesh, dtype=torch.int), mesh_dim_names=dims)
         self.groups["group"] = self._new_groups(topo.dim_groups("group"), "group")
         if hierarchical:
             for base in ("shard", "group"):
@@ -283,14 +301,28 @@ class FedMesh:
                 self.groups[f"{base}_inter"] = self._new_groups(inter_all, f"{base}_inter")
 
     def _new_groups(self, lists: list[list[int]], name: str):
+        """One process group per rank list (global ranks), this rank's returned. In a group's
+        own world only the lists inside the group exist, in torch's (group) ranks."""
         import torch.distributed as dist
 
         mine = None
         for ranks in lists:  # NOTE: every rank must create every group, in the same order
-            g = dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=False)
+            if self.group_world and not set(ranks) <= set(self._own):
+                continue
+            local = [self._own.index(r) for r in ranks] if self.group_world else ranks
+            g = dist.new_group(local, timeout=self.timeout, use_local_synchronization=False)
             if self.rank in ranks:
                 mine, self.group_ranks[name] = g, list(ranks)
         return mine
+
+    def new_groups(self, lists: list[list[int]], name: str):
+        """Process groups for ``lists`` of global ranks (collective; see :meth:`_new_groups`):
+        this rank's, recorded under ``name``."""
+        return self._new_groups(lists, name)
+
+    def global_ranks(self, ranks: Sequence[int]) -> list[int]:
+        """Global ranks of torch.distributed ranks (different only in a group's own world)."""
+        return [self._own[r] for r in ranks] if self.group_world else list(ranks)
 
     def describe(self, name: str) -> str:
         """``'group NAME (ranks [...])'``: how an error names a process group."""
@@ -316,5 +348,6 @@ class FedMesh:
         from flcomm.comm.torch_pg import TorchTransport
 
         if name not in self.groups:
-            raise KeyError(f"no process group {name!r}; have {sorted(self.groups)}")
+            hint = " (the fed dim of an elastic federation is its Federation's transport)" if name == "fed" else ""
+            raise KeyError(f"no process group {name!r}; have {sorted(self.groups)}{hint}")
         return TorchTransport(self.groups[name], self.tier(name), self.stats, self.timeout)

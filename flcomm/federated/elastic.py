@@ -1,0 +1,342 @@
+"""Elastic federation: losing a federation group costs that group, not the job.
+
+In FL+FSDP / FL+HSDP the federation groups meet only in the FedAvg exchange. With a
+:class:`Federation`, the exchange runs over process groups that flcomm makes from the job's
+TCPStore under a *generation* prefix (:func:`flcomm.comm.torch_pg.store_group`), one per shard
+coordinate, over the ranks of the live groups; each federation group is its own
+torch.distributed world, so the intra-group FSDP/HSDP groups never include a rank of another
+group and a dead group cannot hang them. Nothing re-initializes a default group.
+
+Every cross-group round ends with an agreement through the store (:meth:`Federation.commit`):
+
+1. each rank adds itself to the round's ``ok`` (or ``fail``) counter once its part finished;
+2. the first rank to see every live rank ok proposes *commit*; the first to see a failure,
+   or to wait ``grace_s`` without the full count, proposes *abort*; ``compare_set`` keeps the
+   first proposal, so every rank follows the same outcome. A commit also admits the groups
+   whose every rank has asked to rejoin (:meth:`Federation.rejoin`).
+
+After an abort, the membership round (:meth:`Federation.reform`):
+
+3. every rank that is alive announces itself under the current generation and waits until all
+   live ranks did, or ``grace_s``; a group is in only if all of its ranks announced (a group
+   whose rank failed or froze cannot confirm);
+4. the first rank to decide writes the new membership (generation + 1) with ``compare_set``;
+   ranks of groups left out raise :class:`GroupLostError`, and fewer than ``min_groups``
+   groups end the job (:class:`TooFewGroupsError`);
+5. the survivors build the new generation's process groups; the caller (FedAvg) restores the
+   round's inputs and redoes it among them, so no partial average is ever applied.
+
+Store keys live under ``flcomm/elastic/``: ``gen/<g>`` (the membership of generation g, JSON),
+``g<g>/<round>/{ok,fail,outcome}``, ``g<g>/alive/<rank>``, ``rejoin/<group>/<rank>``,
+``finished``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from flcomm.comm.base import CommStats, LinkTier
+from flcomm.comm.torch_pg import ProcessGroupTransport, store_group
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from flcomm.federated.topology import Topology
+
+__all__ = ["Federation", "GroupLostError", "Membership", "Outcome", "TooFewGroupsError", "ROOT"]
+
+ROOT = "flcomm/elastic/"
+_POLL_S = (0.001, 0.05)  # first and longest sleep between store polls
+
+
+class GroupLostError(RuntimeError):
+    """This rank's federation group was dropped from the federation (one of its ranks failed
+    or did not confirm in time); the rank should exit."""
+
+    def __init__(self, message: str, group: int, generation: int, missing: list[int]) -> None:
+        super().__init__(message)
+        self.group, self.generation, self.missing = group, generation, missing
+
+
+class TooFewGroupsError(RuntimeError):
+    """Fewer federation groups than ``min_groups`` are left: the whole job ends."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The live federation groups of one generation, and how it came about."""
+
+    generation: int
+    groups: tuple[int, ...]
+    step: int = 0                     # the FedAvg step at which it took effect
+    lost: tuple[int, ...] = ()
+    joined: tuple[int, ...] = ()
+    missing_ranks: tuple[int, ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, s: str | bytes) -> "Membership":
+        d = json.loads(s)
+        return cls(int(d["generation"]), tuple(d["groups"]), int(d["step"]), tuple(d["lost"]),
+                   tuple(d["joined"]), tuple(d.get("missing_ranks", ())))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a round ended for every rank: committed or not, and the groups admitted with it."""
+
+    committed: bool
+    admit: tuple[int, ...] = ()
+
+
+@dataclass
+class _Poller:
+    """Sleeps between store polls, growing from 1 ms to 50 ms."""
+
+    delay: float = _POLL_S[0]
+
+    def sleep(self) -> None:
+        time.sleep(self.delay)
+        self.delay = min(_POLL_S[1], self.delay * 2)
+
+
+@dataclass
+class Federation:
+    """A rank's view of the elastic federation (module docstring).
+
+    Args:
+        store: the job's TCPStore (every rank of every group reaches it; a launcher hosts it).
+        topology: the full topology (all groups, as started).
+        rank: this rank's global rank in ``topology``.
+        backend: ``gloo`` or ``nccl``, for the cross-group groups.
+        timeout: every cross-group collective's timeout.
+        grace_s: how long a membership round (and a commit) waits for a silent rank.
+        min_groups: fewer live groups end the job.
+        stats: where the transports count their bytes (the mesh's).
+        rejoin: this rank's group is restarting: call :meth:`rejoin` before any exchange.
+
+    Attributes:
+        membership: the current :class:`Membership`.
+        events: membership changes seen here, as metrics records (the driver drains them).
+    """
+
+    store: "dist.Store"
+    topology: "Topology"
+    rank: int
+    backend: str = "gloo"
+    timeout: timedelta = timedelta(seconds=300)
+    grace_s: float = 15.0
+    min_groups: int = 1
+    stats: CommStats | None = None
+    rejoin_mode: bool = False
+    membership: Membership = field(init=False)
+    events: list[dict[str, Any]] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        import torch.distributed as dist
+
+        if not self.grace_s > 0:
+            raise ValueError(f"grace_s must be > 0, got {self.grace_s!r}")
+        F = self.topology.num_groups
+        if not isinstance(self.min_groups, int) or not 1 <= self.min_groups <= F:
+            raise ValueError(f"min_groups must be an integer in [1, {F}] (the federation groups), "
+                             f"got {self.min_groups!r}")
+        self.kv = dist.PrefixStore(ROOT, self.store)
+        self.coords = self.topology.coords(self.rank)
+        self.group = self.coords.group
+        self._transport: ProcessGroupTransport | None = None
+        self._retired: list[Any] = []  # NOTE: old groups kept alive: destroying one with a dead peer may block
+        first = Membership(0, tuple(range(F)))
+        if not self.rejoin_mode:
+            self.membership = self._decide(first)
+            self._build()
+        else:
+            self.membership = first
+
+    # ---------------------------------------------------------------- views
+    @property
+    def generation(self) -> int:
+        return self.membership.generation
+
+    @property
+    def groups(self) -> tuple[int, ...]:
+        return self.membership.groups
+
+    @property
+    def transport(self) -> ProcessGroupTransport:
+        """The current generation's transport over this rank's fed peers in the live groups."""
+        if self._transport is None:
+            raise RuntimeError(f"rank {self.rank}: the federation has no transport yet (rejoin() first)")
+        return self._transport
+
+    @property
+    def fed_ranks(self) -> list[int]:
+        return self.members(self.groups)
+
+    def members(self, groups: tuple[int, ...] | list[int]) -> list[int]:
+        """The global ranks with this rank's shard coordinates in ``groups``, in group order."""
+        i = self.coords.index
+        return [self.topology.group_ranks(f)[i] for f in sorted(groups)]
+
+    def live_ranks(self, groups: tuple[int, ...] | None = None) -> list[int]:
+        return [r for f in sorted(self.groups if groups is None else groups) for r in self.topology.group_ranks(f)]
+
+    def is_leader(self) -> bool:
+        """This rank is the first rank of the lowest live group (it writes the job's metrics)."""
+        return self.rank == self.topology.group_ranks(min(self.groups))[0]
+
+    # ---------------------------------------------------------------- the round agreement
+    def commit(self, round_name: str, ok: bool) -> Outcome:
+        """Steps 1-2 of the module docstring for round ``round_name`` of this generation.
+        Returns the :class:`Outcome` every rank of the live groups gets."""
+        g = self.generation
+        base = f"g{g}/{round_name}/"
+        n = len(self.live_ranks())
+        self.kv.add(base + ("ok" if ok else "fail"), 1)
+        deadline = time.monotonic() + self.grace_s
+        poll = _Poller()
+        while True:
+            got = self._get(base + "outcome")
+            if got is not None:
+                d = json.loads(got)
+                return Outcome(bool(d["commit"]), tuple(d["admit"]))
+            oks, fails = self.kv.add(base + "ok", 0), self.kv.add(base + "fail", 0)
+            if oks >= n or fails > 0 or time.monotonic() > deadline:
+                commit = oks >= n and fails == 0
+                proposal = json.dumps({"commit": commit, "admit": self._pending_rejoins() if commit else []})
+                self.kv.compare_set(base + "outcome", "", proposal)
+                continue
+            poll.sleep()
+
+    def decided(self, round_name: str) -> bool:
+        """Some rank already decided round ``round_name`` of this generation."""
+        return self.kv.check([f"g{self.generation}/{round_name}/outcome"])
+
+    def _pending_rejoins(self) -> list[int]:
+        """The lost groups all of whose ranks asked to rejoin."""
+        out = []
+        for f in range(self.topology.num_groups):
+            if f not in self.groups and self.kv.check([f"rejoin/{f}/{r}" for r in self.topology.group_ranks(f)]):
+                out.append(f)
+        return out
+
+    # ---------------------------------------------------------------- membership changes
+    def reform(self, step: int) -> Membership:
+        """Steps 3-5 of the module docstring, after an aborted round at FedAvg step ``step``.
+        Returns the new membership (its transports built); raises :class:`GroupLostError` on
+        the ranks of groups left out and :class:`TooFewGroupsError` below ``min_groups``."""
+        t0 = time.perf_counter()
+        g = self.generation
+        self.kv.set(f"g{g}/alive/{self.rank}", "1")
+        n = len(self.live_ranks())
+        cnt = self.kv.add(f"g{g}/alive_n", 1)
+        deadline = time.monotonic() + self.grace_s
+        poll = _Poller()
+        while self._get(f"gen/{g + 1}") is None and cnt < n and time.monotonic() < deadline:
+            poll.sleep()
+            cnt = self.kv.add(f"g{g}/alive_n", 0)
+        keep = tuple(f for f in self.groups
+                     if self.kv.check([f"g{g}/alive/{r}" for r in self.topology.group_ranks(f)]))
+        missing = tuple(r for r in self.live_ranks() if not self.kv.check([f"g{g}/alive/{r}"]))
+        lost = tuple(f for f in self.groups if f not in keep)
+        new = self._decide(Membership(g + 1, keep, step, lost, (), missing))
+        self._change(new, t0)
+        return new
+
+    def advance(self, admit: tuple[int, ...], step: int) -> Membership:
+        """After a committed round that admitted ``admit``: the next generation, with them."""
+        t0 = time.perf_counter()
+        new = self._decide(Membership(self.generation + 1, tuple(sorted(set(self.groups) | set(admit))), step,
+                                      (), tuple(admit)))
+        self._change(new, t0)
+        return new
+
+    def rejoin(self, timeout_s: float | None = None) -> Membership:
+        """For a restarted group: ask to rejoin and wait until a committed round of the survivors
+        admits this group (or the survivors finish: RuntimeError). Returns the membership
+        that admitted it, its transports built."""
+        t0 = time.perf_counter()
+        limit = timeout_s if timeout_s is not None else max(600.0, 4 * self.timeout.total_seconds())
+        g = 0
+        while self._get(f"gen/{g + 1}") is not None:
+            g += 1
+        # NOTE: only a generation after the last one seen before asking counts: an older one
+        # may have admitted an earlier incarnation of this group
+        seen = g
+        self.kv.set(f"rejoin/{self.group}/{self.rank}", "1")
+        deadline, poll = time.monotonic() + limit, _Poller()
+        while True:
+            while self._get(f"gen/{g + 1}") is not None:
+                g += 1
+            got = self._get(f"gen/{g}") if g > seen else None
+            m = Membership.from_json(got) if got is not None else None
+            if m is not None and self.group in m.joined:
+                break
+            if self._get("finished") is not None:
+                raise RuntimeError(f"rank {self.rank}: the federation finished before group {self.group} could rejoin")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: group {self.group} was not admitted within {limit:.0f} s "
+                                   f"(the survivors admit a group at their next sync)")
+            poll.sleep()
+        self.kv.delete_key(f"rejoin/{self.group}/{self.rank}")
+        self._change(m, t0)
+        return m
+
+    def finish(self) -> None:
+        """The survivors are done: a group still waiting to rejoin gives up."""
+        self.kv.set("finished", "1")
+
+    def source_index(self, joined: tuple[int, ...]) -> int:
+        """Index in the fed transport of the rank a handover broadcasts from: the member of the
+        lowest group that was already live before ``joined``."""
+        groups = sorted(self.groups)
+        return groups.index(min(f for f in groups if f not in joined))
+
+    # ---------------------------------------------------------------- internals
+    def _decide(self, proposal: Membership) -> Membership:
+        """The first proposal for generation ``proposal.generation`` wins (compare_set)."""
+        got = self.kv.compare_set(f"gen/{proposal.generation}", "", proposal.to_json())
+        return Membership.from_json(got)
+
+    def _change(self, new: Membership, t0: float) -> None:
+        old = self.membership
+        self.membership = new
+        if self.group not in new.groups:
+            raise GroupLostError(
+                f"rank {self.rank}: federation group {self.group} is out of the federation at generation "
+                f"{new.generation} (step {new.step}): its rank(s) {sorted(set(new.missing_ranks) & set(self.topology.group_ranks(self.group)))} "
+                f"did not confirm within --elastic-grace-s {self.grace_s:g} s; groups {list(new.groups)} go on",
+                self.group, new.generation, list(new.missing_ranks))
+        if len(new.groups) < self.min_groups:
+            raise TooFewGroupsError(
+                f"rank {self.rank}: only {len(new.groups)} federation group(s) {list(new.groups)} left at "
+                f"generation {new.generation} (step {new.step}), fewer than --min-groups {self.min_groups}; "
+                f"lost groups {list(new.lost)} (ranks {list(new.missing_ranks)} did not confirm)")
+        self._build()
+        self.events.append({"step": new.step, "generation": new.generation, "groups": list(new.groups),
+                            "lost": list(new.lost), "joined": list(new.joined),
+                            "missing_ranks": list(new.missing_ranks), "previous_groups": list(old.groups),
+                            "seconds": time.perf_counter() - t0})
+
+    def _build(self) -> None:
+        """This generation's transport over this rank's fed peers (created from the store)."""
+        members = self.members(self.groups)
+        g = self.generation
+        pg = store_group(self.kv, f"gen{g}/fed{self.coords.index}/", members.index(self.rank), len(members),
+                         self.backend, self.timeout)
+        if self._transport is not None:
+            self._retired.append(self._transport)
+        self._transport = ProcessGroupTransport(pg, members, self.backend, LinkTier.INTER_GROUP, self.stats,
+                                                self.timeout)
+
+    def _get(self, key: str) -> str | None:
+        if not self.kv.check([key]):
+            return None
+        v = self.kv.get(key)
+        return v.decode() if isinstance(v, bytes) else v

@@ -1,0 +1,91 @@
+"""Elastic federation (flcomm.federated.elastic): a lost federation group costs that group, not
+the job.
+
+FedAvg level: 8 ranks as 4 groups x 2, each group its own torch.distributed world; a rank of
+group 1 dies (before a sync, or while its exchange is in flight); the survivors' parameters
+must equal the single-process simulation that drops group 1 at that round
+(:func:`tests.fedavg_sim.simulate` with ``drop_at``), and the other rank of group 1 must stop
+with GroupLostError.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from tests.dist import run_distributed
+from tests.fedavg_sim import averaged_names, batch, loss_fn, make_model, make_opt, simulate
+
+F, G = 4, 2
+GRACE_S = 3.0
+
+
+def _train_elastic(rank: int, world: int, E: int, T: int, kill: tuple[int, int, str], overlap: bool,
+                   outer: str) -> dict:
+    from flcomm.federated.elastic import Federation, GroupLostError
+    from flcomm.federated.fedavg import FedAvg
+    from flcomm.federated.topology import Topology
+    from tests import dist as tdist
+
+    timeout = timedelta(seconds=30)
+    topo = Topology(world, ranks_per_node=G, group_size=G)
+    mesh = topo.build(timeout=timeout, group_rank=rank)
+    federation = Federation(tdist.STORE, topo, rank, timeout=timeout, grace_s=GRACE_S, stats=mesh.stats)
+    f = rank // G
+    model = make_model(0)
+    opt = make_opt(model.parameters(), "adamw", 1e-2)
+    fed = FedAvg(model, mesh, sync_every=E, outer=outer, overlap=overlap, federation=federation)
+    kill_rank, kill_step, phase = kill
+    try:
+        for t in range(1, T + 1):
+            if rank == kill_rank and t == kill_step and phase == "forward":
+                os._exit(1)
+            # NOTE: the group's loss over its G ranks' batches, on each rank (a replicated model)
+            (sum(loss_fn(model, *batch(f, i, t)) for i in range(G)) / G).backward()
+            opt.step()
+            opt.zero_grad()
+            fed.step()
+            if rank == kill_rank and t == kill_step and phase == "exchange":
+                time.sleep(0.02)  # NOTE: the exchange is in flight (overlap) when the rank dies
+                os._exit(1)
+        fed.finish()
+    except GroupLostError as e:
+        return {"lost": str(e), "group": e.group}
+    params, bufs = averaged_names(model)
+    sd = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return {"params": {n: sd[n].detach().clone() for n in params + bufs}, "events": federation.events,
+            "generation": federation.generation, "groups": list(federation.groups)}
+
+
+@pytest.mark.parametrize("case", [
+    # (E, T, rank killed, its step, phase, overlap, outer, the round group 1 is dropped at)
+    (4, 10, 3, 6, "forward", False, "avg", 8),
+    (4, 10, 3, 4, "exchange", True, "nesterov", 4),
+], ids=["killed-in-forward-paper-mode", "killed-during-overlapped-exchange-nesterov"])
+def test_survivors_equal_the_simulation_without_the_lost_group(case):
+    E, T, kill_rank, kill_step, phase, overlap, outer, dropped = case
+    out = run_distributed(_train_elastic, F * G, E, T, (kill_rank, kill_step, phase), overlap, outer,
+                          timeout=90, group_worlds=G, may_die=frozenset({kill_rank}))
+    want = simulate(F, G, E, T, outer=outer, overlap=overlap, drop_at={1: dropped})
+    lost_group = [r for r in range(F * G) if r // G == 1]
+    for r in lost_group:
+        if r == kill_rank:
+            assert out[r] is None
+        else:
+            assert out[r] is not None and out[r]["group"] == 1, out[r]
+            assert "federation group 1 is out of the federation" in out[r]["lost"]
+            assert f"[{kill_rank}]" in out[r]["lost"], out[r]["lost"]
+    for r in range(F * G):
+        if r // G == 1:
+            continue
+        got = out[r]
+        assert got["groups"] == [0, 2, 3] and got["generation"] == 1
+        ev = got["events"]
+        assert len(ev) == 1 and ev[0]["lost"] == [1] and ev[0]["generation"] == 1
+        assert ev[0]["step"] == dropped + (1 if overlap else 0)
+        for n, v in want[r // G].items():
+            torch.testing.assert_close(got["params"][n], v, rtol=0, atol=1e-6, msg=lambda m: f"rank {r} {n}: {m}")
