@@ -63,6 +63,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -611,24 +612,12 @@ class FedAvg:
         (:meth:`Federation.commit`). After an abort: the membership round, then the round's
         inputs restored and the round redone among the survivors, until one commits. A round
         that admits rejoining groups hands them the sync's state (:meth:`_handover`)."""
-        from flcomm.comm.engine import EngineError
-
         fed = self.federation
         assert fed is not None
         name = f"s{fr.sync_step}f{fr.index}"
         while True:
-            # NOTE: a rank whose peer left a collective (after an error of its own) may wait in
-            # it until the timeout: once another rank decided the round, it stops waiting and
-            # leaves the job behind on the old generation's lane
-            deadline, poll = time.monotonic() + (self.mesh.timeout * (2 * nb + 2)).total_seconds(), 0.001
-            while not job.host_done(poll) and not fed.decided(name) and time.monotonic() < deadline:
-                poll = min(0.05, 2 * poll)
-            res, ok = ExchangeResult(), False
-            if job.host_done():
-                try:
-                    res, ok = job.wait(), True
-                except EngineError:
-                    pass
+            res, ok = self._await_round(name, job, (self.mesh.timeout * (2 * nb + 2)).total_seconds())
+            res = res if ok else ExchangeResult()
             outcome = fed.commit(name, ok)
             if outcome.committed:
                 break
@@ -643,6 +632,44 @@ class FedAvg:
         if outcome.admit:
             self._handover(outcome.admit)
         return res
+
+    def _await_round(self, name: str, job: Job, timeout_s: float) -> tuple[Any, bool]:
+        """Wait for ``job`` (an agreed round's collectives); ``(result, True)`` once it succeeded,
+        ``(None, False)`` when it failed, timed out, or another rank decided round ``name``
+        first."""
+        from flcomm.comm.engine import EngineError
+
+        # NOTE: a rank whose peer left a collective (after an error of its own) may wait in it
+        # until the timeout: once another rank decided the round, it stops waiting and leaves
+        # the job behind on the old generation's lane
+        assert self.federation is not None
+        deadline, poll = time.monotonic() + timeout_s, 0.001
+        while not job.host_done(poll) and not self.federation.decided(name) and time.monotonic() < deadline:
+            poll = min(0.05, 2 * poll)
+        if job.host_done():
+            try:
+                return job.wait(), True
+            except EngineError:
+                pass
+        return None, False
+
+    def cross_group(self, name: str, fn: Callable[[Any], Any]) -> Any:
+        """Elastic: run ``fn(transport)`` (collectives over the fed group, e.g. the evaluation's
+        mean over the groups) as an agreed round named ``name``; after an abort, the membership
+        round and ``fn`` again among the survivors. Without a federation, just ``fn``."""
+        if self.federation is None:
+            return fn(self.transport)
+        while True:
+            transport = self.transport
+            job = self._engine.submit(lambda job: fn(transport), f"{name} over the federation")
+            out, ok = self._await_round(name, job, 2 * self.mesh.timeout.total_seconds())
+            outcome = self.federation.commit(name, ok)
+            if outcome.committed:
+                if outcome.admit:
+                    self._handover(outcome.admit)
+                return out
+            self.federation.reform(self.steps)
+            self._rebind()
 
     def _rebind(self) -> None:
         """The exchanges over the federation's current transport."""

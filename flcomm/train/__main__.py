@@ -59,6 +59,16 @@ def _add_common(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    help="fl-hsdp: each replica exchanges 1/R of the shard, then the replicas all-gather "
                         "(default: on when there are R > 1 replicas)")
     f.add_argument("--bucket-mb", type=float, default=d.bucket_mb)
+    e = p.add_argument_group("elastic federation (fl-fsdp, fl-hsdp)")
+    e.add_argument("--elastic", action=argparse.BooleanOptionalAction, default=d.elastic,
+                   help="a federation group that loses a rank is dropped; the others go on (README)")
+    e.add_argument("--elastic-grace-s", type=float, default=d.elastic_grace_s,
+                   help="how long a membership round waits for a silent rank before its group is out")
+    e.add_argument("--min-groups", type=int, default=d.min_groups,
+                   help="end the job when fewer federation groups are left")
+    e.add_argument("--rejoin", action=argparse.BooleanOptionalAction, default=d.rejoin,
+                   help="this is a restarted group: load a survivor's latest checkpoint and join at the next "
+                        "sync (--nproc: the launcher restarts a lost group itself with this)")
     m = p.add_argument_group("model and optimization")
     m.add_argument("--model", default=d.model, help=f"preset: {', '.join(PRESETS)}")
     m.add_argument("--vocab-size", type=int, default=d.vocab_size)

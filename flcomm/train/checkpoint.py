@@ -88,13 +88,19 @@ def read_meta(path: str) -> dict[str, Any]:
     return meta
 
 
-def check_compatible(meta: dict[str, Any], topo: "Topology", model_cfg: dict[str, Any], path: str) -> None:
-    """Refuse a checkpoint written by another topology or another model shape."""
+def check_compatible(meta: dict[str, Any], topo: "Topology", model_cfg: dict[str, Any], path: str,
+                     same_group_shape: bool = False) -> None:
+    """Refuse a checkpoint written by another topology (``same_group_shape``: only another
+    group shape, i.e. ranks per node, G or S; an elastic run may resume with another number of
+    groups) or another model shape."""
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"checkpoint {path} has format {meta.get('format')!r}; this flcomm reads "
                          f"format {FORMAT_VERSION}")
     want = topo.to_dict()
     have = meta.get("topology", {})
+    if same_group_shape:
+        keys = ("ranks_per_node", "group_size", "shard_size")
+        want, have = {k: want[k] for k in keys}, {k: have.get(k) for k in keys}
     if have != want:
         keys = ("world_size", "ranks_per_node", "group_size", "shard_size")
         fmt = lambda d: ", ".join(f"{k}={d.get(k)}" for k in keys)  # noqa: E731
@@ -340,23 +346,26 @@ def verify(path: str, meta: dict[str, Any]) -> None:
 
 
 def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, group: int,
-         topo: "Topology", model_cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+         topo: "Topology", model_cfg: dict[str, Any],
+         same_group_shape: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """Load a checkpoint into ``model`` and ``optimizer`` (collective).
 
-    Steps: read meta.json and refuse another topology or model shape; verify every file's
+    Steps: read meta.json and refuse another topology (``same_group_shape``: another group
+    shape, see :func:`check_compatible`) or model shape; verify every file's
     size and SHA-256 (the ranks share the work); DCP-load this group's model and optimizer
     state into destinations of the current shapes (non-tensor items ``weights_only``); set them
     into the model and optimizer; load this rank's state file ``weights_only``; restore the RNG
     states.
 
-    Returns ``(meta, rank_state)``; ``rank_state`` holds what :func:`save` was given
-    (fed, data, step, ...).
+    ``group`` is the federation group whose model and optimizer state to load (an elastic
+    resume may take another group's). Returns ``(meta, rank_state)``; ``rank_state`` holds what
+    :func:`save` was given (fed, data, step, ...).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     meta = read_meta(path)
-    check_compatible(meta, topo, model_cfg, path)
+    check_compatible(meta, topo, model_cfg, path, same_group_shape)
     verify(path, meta)
     rank = dist.get_rank() if dist.is_initialized() else 0
     sd = _state(model, optimizer, group)

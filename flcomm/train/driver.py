@@ -47,6 +47,7 @@ from flcomm.train.model import PRESETS, Transformer, build_model, get_config, lm
 from flcomm.train.monitor import Monitor
 
 if TYPE_CHECKING:
+    from flcomm.federated.elastic import Federation
     from flcomm.federated.topology import FedMesh
 
 STRATEGIES = Strategy.values()
@@ -98,6 +99,11 @@ class TrainConfig:
     residual_dtype: str = "fp32"  # fp32 | bf16: the error-feedback residuals
     sharded_exchange: bool | None = None  # FL+HSDP: 1/R of the shard per replica (None: on when R > 1)
     bucket_mb: float = 25.0
+    # elastic federation (flcomm.federated.elastic)
+    elastic: bool = False
+    elastic_grace_s: float = 15.0
+    min_groups: int = 1
+    rejoin: bool = False  # a restarted group: a survivor's checkpoint, then admitted at a sync
     # model and optimization
     model: str = "tiny"
     vocab_size: int | None = None
@@ -170,6 +176,12 @@ class TrainConfig:
             raise ValueError("resume needs a checkpoint directory (--checkpoint-dir)")
         if self.save_every and not self.checkpoint_dir:
             raise ValueError("save_every needs a checkpoint directory (--checkpoint-dir)")
+        _finite("elastic_grace_s", self.elastic_grace_s, 0.0, True)
+        _pos_int("min_groups", self.min_groups)
+        if self.elastic and not self.federated:
+            raise ValueError(f"--elastic needs a federated strategy (fl-fsdp, fl-hsdp), got {self.strategy!r}")
+        if self.rejoin and not (self.elastic and self.checkpoint_dir):
+            raise ValueError("--rejoin needs --elastic and the job's --checkpoint-dir (a survivor's checkpoint)")
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
         self.check_federation()
@@ -179,7 +191,7 @@ class TrainConfig:
         FedAvg.check_config(sync_every=self.sync_every, bucket_mb=self.bucket_mb, overlap_steps=self.overlap_steps,
                             fragments=self.fragments, inner_state=self.inner_state,
                             residual_dtype=self.residual_dtype, offload=self.offload, codec=self.codec,
-                            outer=self.outer)
+                            outer=self.outer, elastic=self.elastic, overlap=self.overlap)
 
     @property
     def federated(self) -> bool:
@@ -311,8 +323,11 @@ def _full_params(model: nn.Module) -> dict[str, Tensor]:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list[tuple[Tensor, Tensor]], device: torch.device) -> float:
-    """World-mean loss over every rank's held-out batches (collective over the world)."""
+def evaluate(model: nn.Module, batches: list[tuple[Tensor, Tensor]], device: torch.device,
+             fed: Any = None, step: int = 0) -> float:
+    """World-mean loss over every rank's held-out batches (collective over the world; an elastic
+    run's world is its group: the groups' sums then add up over the live groups, as an agreed
+    round of ``fed``, :meth:`FedAvg.cross_group`)."""
     was = model.training
     model.eval()
     tot = torch.zeros(2, dtype=torch.float64, device=device)
@@ -322,6 +337,13 @@ def evaluate(model: nn.Module, batches: list[tuple[Tensor, Tensor]], device: tor
         tot[1] += y.numel()
     dist.all_reduce(tot)
     model.train(was)
+    if fed is not None and fed.federation is not None:
+        def over_groups(transport: Any) -> Tensor:
+            t = tot.clone().to(transport.device)
+            transport.all_reduce(t, op="sum")
+            return t
+
+        tot = fed.cross_group(f"eval{step}", over_groups)
     return float(tot[0] / tot[1])
 
 
@@ -351,10 +373,23 @@ class Run:
     elapsed0: float = 0.0
     resumed_from: str | None = None
     bad_step: int | None = None          # first non-finite step of this group, not yet agreed
+    federation: "Federation | None" = None  # --elastic
 
     @property
     def tokens_per_step(self) -> int:
-        return self.topo.world_size * self.cfg.batch_size * self.cfg.seq_len
+        ranks = len(self.federation.live_ranks()) if self.federation is not None else self.topo.world_size
+        return ranks * self.cfg.batch_size * self.cfg.seq_len
+
+    def checkpoint_dir(self, group: int | None = None) -> str:
+        """Where this rank's checkpoints go: elastic runs save per federation group."""
+        assert self.cfg.checkpoint_dir
+        if self.federation is None:
+            return self.cfg.checkpoint_dir
+        return elastic_checkpoint_dir(self.cfg.checkpoint_dir, self.mesh.coords.group if group is None else group)
+
+
+def elastic_checkpoint_dir(root: str, group: int) -> str:
+    return os.path.join(root, f"group{group}")
 
 
 def _build_model(cfg: TrainConfig, mesh: "FedMesh", device: torch.device) -> tuple[nn.Module, FsdpTraffic]:
@@ -409,14 +444,29 @@ def _build_data(cfg: TrainConfig, mesh: "FedMesh", device: torch.device):
     return loader, held, data_record(cfg.data, tokens), sizes
 
 
-def build_run(cfg: TrainConfig, monitor: Monitor) -> Run:
-    """Mesh, model, sharding, hooks, data, FedAvg and resume of this rank (collective)."""
-    P, rank = dist.get_world_size(), dist.get_rank()
+def build_run(cfg: TrainConfig, monitor: Monitor, store: Any = None) -> Run:
+    """Mesh, model, sharding, hooks, data, FedAvg and resume of this rank (collective).
+    ``--elastic``: torch.distributed's world is this rank's federation group (see
+    :func:`flcomm.train.launch.worker_main`), RANK / WORLD_SIZE the job's, and ``store`` the
+    job's store, which the :class:`~flcomm.federated.elastic.Federation` works through."""
+    if cfg.elastic:
+        P, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    else:
+        P, rank = dist.get_world_size(), dist.get_rank()
     backend = str(dist.get_backend()).lower()
     device = _device(backend)
     local_ws = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
     topo = resolve_topology(cfg, P, local_ws)
-    mesh = topo.build(device_type=device.type, timeout=timedelta(seconds=cfg.timeout_s))
+    timeout = timedelta(seconds=cfg.timeout_s)
+    mesh = topo.build(device_type=device.type, timeout=timeout, group_rank=rank if cfg.elastic else None)
+    federation = None
+    if cfg.elastic:
+        from flcomm.federated.elastic import Federation
+
+        if store is None:
+            raise RuntimeError("--elastic needs the job's store (flcomm.train.launch.worker_main passes it)")
+        federation = Federation(store, topo, rank, backend=backend, timeout=timeout, grace_s=cfg.elastic_grace_s,
+                                min_groups=cfg.min_groups, stats=mesh.stats, rejoin_mode=cfg.rejoin)
     monitor.set_groups({k: list(v) for k, v in mesh.group_ranks.items()})
     # NOTE: the global generators are seeded, so the RNG state a checkpoint saves is the same
     # run to run (nothing in the loop draws from them today; dropout would).
@@ -432,7 +482,8 @@ def build_run(cfg: TrainConfig, monitor: Monitor) -> Run:
                      outer_momentum=cfg.outer_momentum, inner_state=cfg.inner_state,
                      overlap=cfg.overlap, overlap_steps=cfg.overlap_steps, fragments=cfg.fragments,
                      offload=cfg.offload, residual_dtype=cfg.residual_dtype,
-                     sharded_exchange=cfg.sharded_exchange, bucket_mb=cfg.bucket_mb, optimizer=optimizer)
+                     sharded_exchange=cfg.sharded_exchange, bucket_mb=cfg.bucket_mb, optimizer=optimizer,
+                     federation=federation, sync_init=not cfg.rejoin)
     mcfg = cfg.model_config()
     meta = {"strategy": cfg.strategy, "topology": topo.to_dict(), "model": mcfg.to_dict(), "seed": cfg.seed,
             "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "data": data_rec}
@@ -441,11 +492,26 @@ def build_run(cfg: TrainConfig, monitor: Monitor) -> Run:
             "tokens_per_step": P * cfg.batch_size * cfg.seq_len, "backend": backend,
             "data_name": cfg.data or BUILTIN_CORPUS, **sizes,
             "fsdp_bytes_per_step": {t.value: b for t, b in traffic.bytes_per_step.items()}}
-    run = Run(cfg, rank, device, topo, mesh, model, optimizer, traffic, fed, loader, held, meta, info, monitor)
+    run = Run(cfg, rank, device, topo, mesh, model, optimizer, traffic, fed, loader, held, meta, info, monitor,
+              federation=federation)
     monitor.poison = lambda: _poison(model)
-    if cfg.resume:
+    if cfg.resume or cfg.rejoin:
         _resume(run)
+    if cfg.rejoin:
+        _rejoin(run)
     return run
+
+
+def _rejoin(run: Run) -> None:
+    """A restarted group: wait until the survivors admit it at a sync, take their anchor, and go
+    on from that step (the data position follows the step; the optimizer state is the
+    checkpoint's)."""
+    run.monitor.enter(run.start_step, "rejoin")
+    step = run.fed.rejoin()
+    run.start_step = step
+    run.loader.position = step * run.cfg.batch_size
+    print(f"flcomm.train: rank {run.rank}: federation group {run.mesh.coords.group} rejoined at step {step} "
+          f"(generation {run.federation.generation})", file=sys.stderr, flush=True)
 
 
 @torch.no_grad()
@@ -460,22 +526,52 @@ def _resume(run: Run) -> None:
     optimizer, data position, FedAvg state, step (refusing another topology, model, seed or,
     without ``allow_data_change``, other data)."""
     cfg = run.cfg
-    path = ckpt.latest_checkpoint(cfg.checkpoint_dir)
+    coords = run.mesh.coords
+    path, src = (ckpt.latest_checkpoint(cfg.checkpoint_dir), coords.group) if run.federation is None else \
+        _elastic_source(run)
     if path is not None:
         ckpt.check_resume(ckpt.read_meta(path), run.meta, path, cfg.allow_data_change)
-        coords = run.mesh.coords
-        _, rs = ckpt.load(path, run.model, run.optimizer, coords.group, run.topo, run.meta["model"])
-        run.loader.load_state_dict(rs["data"])
+        _, rs = ckpt.load(path, run.model, run.optimizer, src, run.topo, run.meta["model"],
+                          same_group_shape=run.federation is not None)
+        if run.federation is not None and (src != coords.group or rs["data"].get("n_windows") != run.loader.n_windows):
+            # NOTE: elastic, another group's (or another number of groups'): the data position only
+            # (the windows consumed per rank: the same on every rank)
+            run.loader.position = int(rs["data"]["position"])
+        else:
+            run.loader.load_state_dict(rs["data"])
         if run.fed is not None:
             if rs.get("fed") is None:
                 raise ValueError(f"checkpoint {path} has no FedAvg state (written by strategy "
                                  f"without federation), cannot resume {cfg.strategy}")
-            run.fed.load_state_dict(rs["fed"])
+            # NOTE: elastic: another group's entry for the rank with this rank's shard coordinates
+            run.fed.load_state_dict(rs["fed"], source_rank=src * run.topo.group_size + coords.index)
         run.start_step, run.elapsed0, run.resumed_from = int(rs["step"]), float(rs.get("elapsed_s", 0.0)), path
     if run.rank == 0:
         print(f"flcomm.train: resuming from {path} (step {run.start_step})" if path else
               f"flcomm.train: no checkpoint in {cfg.checkpoint_dir}, starting at step 0",
               file=sys.stderr, flush=True)
+
+
+def _elastic_source(run: Run) -> tuple[str | None, int]:
+    """An elastic resume: the newest checkpoint of any group (their number may differ from this
+    run's), this rank's own group's when it has that step; and the group it belongs to."""
+    root = run.cfg.checkpoint_dir
+    found: dict[int, tuple[int, str]] = {}
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) and dist.get_rank() == 0 else []:
+        if name.startswith("group") and name[5:].isdigit():
+            path = ckpt.latest_checkpoint(os.path.join(root, name))
+            if path is not None:
+                found[int(name[5:])] = (int(ckpt.read_meta(path)["step"]), path)
+    mine = run.mesh.coords.group
+    choice: tuple[str | None, int] = (None, mine)
+    if found:
+        newest = max(step for step, _ in found.values())
+        src = mine if found.get(mine, (-1, ""))[0] == newest else min(f for f, (st, _) in found.items() if st == newest)
+        choice = (found[src][1], src)
+    # NOTE: the group's first rank chooses for all: survivors may publish a newer one meanwhile
+    box = [choice]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _agree_non_finite(run: Run, step: int) -> None:
@@ -554,13 +650,16 @@ class StepLogger:
     def __init__(self, run: Run) -> None:
         cfg = run.cfg
         self.run = run
-        self.writer = MetricsWriter(cfg.metrics if run.rank == 0 else None, append=run.resumed_from is not None)
+        self.writer = MetricsWriter(cfg.metrics if self._leads() else None,
+                                    append=run.resumed_from is not None or cfg.rejoin)
         self.writer.write({"config": {**cfg.to_dict(), **run.info, "resumed_from": run.resumed_from,
                                       "start_step": run.start_step}})
         self.counter = TierCounter(run.mesh.stats)
         self.sums = {t: 0 for t in LinkTier}
         self.exposed_prev = run.fed.exposed_comm_s if run.fed is not None else 0.0
         self.t_start = time.perf_counter() - run.elapsed0
+        # NOTE: cumulative: an elastic run's tokens per step change with its live groups
+        self.tokens = run.start_step * run.tokens_per_step
         self.bar = None
         if cfg.progress and run.rank == 0:
             from tqdm import tqdm
@@ -571,18 +670,39 @@ class StepLogger:
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start
 
+    def _leads(self) -> bool:
+        """This rank writes the metrics: rank 0, or in an elastic run the first rank of the
+        lowest live group (it changes when groups are lost or rejoin)."""
+        fed = self.run.federation
+        return fed.is_leader() if fed is not None else self.run.rank == 0
+
+    def _membership(self) -> None:
+        """Elastic: hand the metrics file over to the current leader, and record every
+        membership change (step, generation, groups lost and joined, seconds it took)."""
+        fed, path = self.run.federation, self.run.cfg.metrics
+        if fed is None:
+            return
+        if path and self._leads() != (self.writer.path is not None):
+            self.writer.close()
+            self.writer = MetricsWriter(path if self._leads() else None, append=True)
+        for ev in fed.events:
+            self.writer.write({"membership": ev})
+        fed.events.clear()
+
     def step(self, step: int, loss: float, dt: float, ev: float | None) -> None:
         """Record ``step``; bytes and exposed time are read here, after evaluation and
         checkpointing, whose ``fed.finish()`` may complete (and, bucket by bucket, issue) this
         step's exchange."""
+        self._membership()
         fed, tps = self.run.fed, self.run.tokens_per_step
+        self.tokens += tps
         exposed = (fed.exposed_comm_s - self.exposed_prev) if fed is not None else 0.0
         self.exposed_prev = fed.exposed_comm_s if fed is not None else 0.0
         d = self.counter.delta()
         for t in LinkTier:
             self.sums[t] += d[t]
         rec: dict[str, Any] = {
-            "step": step, "loss": loss, "lr": lr_at(self.run.cfg, step), "tokens": step * tps,
+            "step": step, "loss": loss, "lr": lr_at(self.run.cfg, step), "tokens": self.tokens,
             "time_s": self.elapsed(), "tokens_per_s": tps / dt, "step_time_s": dt, "exposed_comm_s": exposed,
             "internode_bytes": d[LinkTier.INTER_NODE], "intergroup_bytes": d[LinkTier.INTER_GROUP],
             "intranode_bytes": d[LinkTier.INTRA_NODE],
@@ -639,7 +759,11 @@ class CheckpointPolicy:
             run.fed.finish()
         rank_state = {"step": step, "data": run.loader.state_dict(),
                       "fed": run.fed.state_dict() if run.fed is not None else None, "elapsed_s": elapsed_s}
-        ckpt.save(self.cfg.checkpoint_dir, step, run.model, run.optimizer, rank_state, run.meta,
+        meta = run.meta
+        if run.federation is not None:
+            m = run.federation.membership
+            meta = {**meta, "elastic": {"generation": m.generation, "groups": list(m.groups)}}
+        ckpt.save(run.checkpoint_dir(), step, run.model, run.optimizer, rank_state, meta,
                   run.mesh.coords.group, self.cfg.keep_checkpoints, self._fault_hook(run, step))
 
     def _fault_hook(self, run: Run, step: int) -> Any:
@@ -650,7 +774,7 @@ class CheckpointPolicy:
 
 
 def train(cfg: TrainConfig, return_params: bool = False, stop_after: int | None = None,
-          _save_fault: Any = None, monitor: Monitor | None = None) -> TrainResult:
+          _save_fault: Any = None, monitor: Monitor | None = None, store: Any = None) -> TrainResult:
     """Run ``cfg`` on this rank of an initialized process group (see the module docstring).
 
     ``return_params`` adds the full (unsharded) parameters at the end to the result (tests).
@@ -658,14 +782,15 @@ def train(cfg: TrainConfig, return_params: bool = False, stop_after: int | None 
     it evaluates and checkpoints as at the end, but the schedule still spans ``cfg.steps``.
     ``_save_fault(tmp_dir)`` is passed to every checkpoint save (tests inject a crash).
     ``monitor`` records this rank's phases and failure (:mod:`flcomm.train.monitor`); a
-    failure is re-raised with the one-line report added as a note.
+    failure is re-raised with the one-line report added as a note. ``store``: the job's store
+    (``--elastic``).
     """
     if not dist.is_initialized():
         raise RuntimeError("train() needs torch.distributed to be initialized (use launch_local, "
                            "worker_main or torchrun)")
     mon = monitor or Monitor(None, dist.get_rank(), dist.get_world_size())
     try:
-        return _train(cfg, mon, return_params, stop_after, _save_fault)
+        return _train(cfg, mon, return_params, stop_after, _save_fault, store)
     except BaseException as e:
         msg = mon.fail(e)
         if hasattr(e, "add_note"):  # NOTE: Python >= 3.11; the monitor keeps it either way
@@ -674,8 +799,8 @@ def train(cfg: TrainConfig, return_params: bool = False, stop_after: int | None 
 
 
 def _train(cfg: TrainConfig, mon: Monitor, return_params: bool, stop_after: int | None,
-           save_fault: Any) -> TrainResult:
-    run = build_run(cfg, mon)
+           save_fault: Any, store: Any = None) -> TrainResult:
+    run = build_run(cfg, mon, store)
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     policy = CheckpointPolicy(cfg, end, save_fault)
     log = StepLogger(run)
@@ -695,13 +820,16 @@ def _train(cfg: TrainConfig, mon: Monitor, return_params: bool, stop_after: int 
                 mon.enter(step, "eval")
                 if run.fed is not None:
                     run.fed.finish()
-                ev = res.eval_losses[step] = log.counter.excluding(lambda: evaluate(run.model, run.held, run.device))
+                ev = res.eval_losses[step] = log.counter.excluding(
+                    lambda: evaluate(run.model, run.held, run.device, run.fed, step))
             if policy.save_due(step):
                 policy.save(run, step, log.elapsed())
             log.step(step, res.losses[-1], dt, ev)
         mon.enter(step, "end")
         if run.fed is not None:
             run.fed.finish()
+        if run.federation is not None:
+            run.federation.finish()
         log.finish(res, step)
     finally:
         log.close()
@@ -717,6 +845,11 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> Topology:
     a checkpoint to resume from (its files' hashes, and the same topology, model, seed and,
     without ``allow_data_change``, data)."""
     topo = resolve_topology(cfg, world_size, cfg.ranks_per_node)
+    if cfg.elastic and cfg.min_groups > topo.num_groups:
+        raise ValueError(f"--min-groups {cfg.min_groups} exceeds the {topo.num_groups} federation groups of "
+                         f"{world_size} ranks in groups of {topo.group_size}")
+    if cfg.elastic and topo.node_groups is not None:
+        raise ValueError("--elastic needs contiguous federation groups (no explicit node_groups)")
     mcfg = cfg.model_config()
     tokens = load_tokens(cfg.data, cfg.data_dtype, cfg.max_tokens)
     check_vocab(tokens, mcfg.vocab_size, data_source(cfg.data))

@@ -24,20 +24,22 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from flcomm.train.driver import STARTUP_TIMEOUT_S, TrainConfig, TrainResult, _pos_int, check_before_launch, train
-from flcomm.train.monitor import (Monitor, describe, first_failure, heartbeat_path, log_path, process_state,
-                                  read_heartbeat)
+from flcomm.train.driver import (STARTUP_TIMEOUT_S, TrainConfig, TrainResult, _pos_int, check_before_launch,
+                                 resolve_topology, train)
+from flcomm.train.monitor import (FAULT_ENV, Monitor, describe, first_failure, heartbeat_path, log_path,
+                                  process_state, read_heartbeat)
 
 MASTER_ADDR = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
 REFUSED_RC = 2  # a rank's exit code for a refusal (bad input, non-finite values); 1: a failure
+LOST_RC = 3  # --elastic: this rank's federation group was dropped from the federation
 
 
 class LaunchError(RuntimeError):
@@ -63,12 +65,27 @@ def worker_main(cfg: TrainConfig, store: Any = None, monitor: Monitor | None = N
         store = _env_store(rank, world, cfg.timeout_s)
     # NOTE: the start-up timeout until every rank has built its model (train() then sets the
     # default group's timeout to timeout_s: driver._startup_barrier)
-    dist.init_process_group(backend, timeout=timedelta(seconds=max(cfg.timeout_s, STARTUP_TIMEOUT_S)),
-                            store=store, rank=rank, world_size=world)
+    timeout = timedelta(seconds=max(cfg.timeout_s, STARTUP_TIMEOUT_S))
+    if cfg.elastic:
+        _init_group_world(cfg, backend, store, rank, world, timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout, store=store, rank=rank, world_size=world)
     try:
-        return train(cfg, monitor=monitor)
+        return train(cfg, monitor=monitor, store=store)
     finally:
         dist.destroy_process_group()
+
+
+def _init_group_world(cfg: TrainConfig, backend: str, store: Any, rank: int, world: int, timeout: timedelta) -> None:
+    """``--elastic``: torch.distributed's world is this rank's federation group, under a store
+    prefix of the group and its incarnation (a restarted group gets a fresh one)."""
+    local_ws = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
+    topo = resolve_topology(cfg, world, local_ws)
+    c = topo.coords(rank)
+    # NOTE: every rank of a group counts its own starts; they start together, so they agree
+    inc = store.add(f"flcomm/group{c.group}/starts/{c.index}", 1) - 1
+    dist.init_process_group(backend, timeout=timeout, rank=c.index, world_size=topo.group_size,
+                            store=dist.PrefixStore(f"flcomm/group{c.group}/inc{inc}/", store))
 
 
 def _env_store(rank: int, world: int, timeout_s: float) -> "dist.TCPStore":
@@ -83,7 +100,12 @@ def _env_store(rank: int, world: int, timeout_s: float) -> "dist.TCPStore":
 
 
 def exit_code(e: BaseException) -> int:
-    """REFUSED_RC for what a user can fix (bad input, a refused resume, non-finite values)."""
+    """REFUSED_RC for what a user can fix (bad input, a refused resume, non-finite values);
+    LOST_RC for a rank whose federation group an elastic federation dropped."""
+    from flcomm.federated.elastic import GroupLostError
+
+    if isinstance(e, GroupLostError):
+        return LOST_RC
     return REFUSED_RC if isinstance(e, (ValueError, FileNotFoundError, FloatingPointError)) else 1
 
 
@@ -100,8 +122,10 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def _local_worker(rank: int, world: int, port: int, threads: int, cfg: TrainConfig, parent: int,
-                  inherited_fd: int = -1) -> None:
+                  inherited_fd: int = -1, restarted: bool = False) -> None:
     die_with_parent(parent)
+    if restarted:  # NOTE: an injected fault is for the first incarnation
+        os.environ.pop(FAULT_ENV, None)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # NOTE: not the launcher's (fork)
         signal.signal(sig, signal.SIG_DFL)
     if inherited_fd >= 0:
@@ -233,8 +257,62 @@ def _supervise(cfg: TrainConfig, procs: list, timeout_s: float | None) -> None:
     raise LaunchError(f"{msg}\nper-rank logs and heartbeats: {cfg.log_dir}")
 
 
+@dataclass
+class LaunchReport:
+    """How a local launch ended: every rank's exit code (its last incarnation's), and for an
+    elastic run the groups lost and restarted (``--rejoin``)."""
+
+    exit_codes: list[int]
+    lost_groups: list[int] = field(default_factory=list)
+    restarted_groups: list[int] = field(default_factory=list)
+
+
+def _supervise_elastic(cfg: TrainConfig, procs: list, timeout_s: float | None, restart: Any) -> LaunchReport:
+    """``--elastic``: ranks of a lost group end on their own (LOST_RC or their error); the job
+    goes on while a group is complete. With ``restart`` (``--rejoin``) a group all of whose
+    ranks ended while others run is restarted once (``restart(ranks)`` returns the new
+    processes, which rejoin at the survivors' next sync). At the
+    end, ranks still stopped (frozen) are killed. Raises :class:`LaunchError` when fewer than
+    ``min_groups`` groups finished."""
+    G = resolve_topology(cfg, len(procs), cfg.ranks_per_node).group_size
+    groups = [list(range(f, f + G)) for f in range(0, len(procs), G)]
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    lost: set[int] = set()
+    restarted: list[int] = []
+
+    def ended(r: int) -> bool:
+        return procs[r].exitcode is not None or process_state(procs[r].pid) == "stopped"
+
+    while True:
+        for f, ranks in enumerate(groups):
+            if any(procs[r].exitcode not in (None, 0) for r in ranks) and all(ended(r) for r in ranks):
+                lost.add(f)
+                running = any(procs[r].exitcode is None and not ended(r) for g in groups for r in g)
+                if restart is not None and f not in restarted and running:
+                    _stop([procs[r] for r in ranks], grace_s=2.0)
+                    for r, p in zip(ranks, restart(ranks)):
+                        procs[r] = p
+                    restarted.append(f)
+        if all(ended(r) for r in range(len(procs))):
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            _stop(procs, grace_s=2.0)
+            raise TimeoutError(f"training did not finish within {timeout_s:.0f} s (logs: {cfg.log_dir})")
+        time.sleep(0.1)
+    _stop([p for p in procs if p.exitcode is None], grace_s=2.0)  # NOTE: frozen ranks
+    codes = [p.exitcode for p in procs]
+    finished = [f for f, ranks in enumerate(groups) if all(codes[r] == 0 for r in ranks)]
+    if len(finished) < cfg.min_groups or not finished:
+        raise LaunchError(f"{_failure_message(cfg, procs)}\nonly federation groups {finished} finished "
+                          f"(--min-groups {cfg.min_groups}); per-rank logs and heartbeats: {cfg.log_dir}")
+    report = LaunchReport(codes, sorted(lost), restarted)
+    print(f"flcomm.train: elastic run finished with federation groups {finished}; lost {report.lost_groups}, "
+          f"restarted {restarted} (logs: {cfg.log_dir})", file=sys.stderr, flush=True)
+    return report
+
+
 def launch_local(cfg: TrainConfig, nproc: int, timeout_s: float | None = None,
-                 start_method: str = "spawn") -> None:
+                 start_method: str = "spawn") -> LaunchReport:
     """Run ``cfg`` on ``nproc`` local processes with gloo (CPU); see the module doc. Raises
     :class:`LaunchError` naming the rank that failed first; no rank outlives the call.
 
@@ -251,6 +329,8 @@ def launch_local(cfg: TrainConfig, nproc: int, timeout_s: float | None = None,
     cfg = replace(cfg, backend="gloo", ranks_per_node=cfg.ranks_per_node or nproc,
                   log_dir=cfg.log_dir or tempfile.mkdtemp(prefix="flcomm-run-"))
     check_before_launch(cfg, nproc)
+    # NOTE: --rejoin given to the launcher means "restart a lost group"; the first ranks start normally
+    restart_lost, cfg = cfg.rejoin, replace(cfg, rejoin=False)
     os.makedirs(cfg.log_dir, exist_ok=True)
     for r in range(nproc):  # NOTE: a previous run's records would confuse who failed first
         path = heartbeat_path(cfg.log_dir, r)
@@ -263,13 +343,28 @@ def launch_local(cfg: TrainConfig, nproc: int, timeout_s: float | None = None,
     procs = [ctx.Process(target=_local_worker, daemon=False,
                          args=(r, nproc, port, threads, cfg, os.getpid(), fd if start_method == "fork" else -1))
              for r in range(nproc)]
+
+    def restart(ranks: list[int]) -> list:
+        # NOTE: spawned (a fork now would copy the launcher's store server); resuming from a
+        # survivor's checkpoint, admitted at the survivors' next sync
+        again = replace(cfg, rejoin=True)
+        new = [mp.get_context("spawn").Process(target=_local_worker, daemon=False,
+                                               args=(r, nproc, port, threads, again, os.getpid(), -1, True))
+               for r in ranks]
+        for p in new:
+            p.start()
+        return new
+
     old = _forward_signals(procs)
     store = None
     try:
         for p in procs:
             p.start()
         store = bound_store(MASTER_ADDR, nproc + 1, timedelta(seconds=cfg.timeout_s), sock)
+        if cfg.elastic:
+            return _supervise_elastic(cfg, procs, timeout_s, restart if restart_lost else None)
         _supervise(cfg, procs, timeout_s)
+        return LaunchReport([p.exitcode for p in procs])
     finally:
         if any(p.exitcode is None for p in procs if p.pid is not None):
             _stop([p for p in procs if p.pid is not None], grace_s=2.0)

@@ -42,6 +42,7 @@ PHASES = {  # phase -> what talks over which group (for the messages)
     "eval": ("evaluation", "world"),
     "checkpoint": ("checkpoint save", "world"),
     "end": ("end of the run", "world"),
+    "rejoin": ("waiting to rejoin the federation (elastic)", "fed"),
 }
 FAULT_ENV = "FLCOMM_FAULT"
 _RECORD = 4096  # bytes of one heartbeat record (padded): one pwrite, read whole
