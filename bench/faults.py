@@ -5,6 +5,7 @@ phase, leave no process behind, and keep the last checkpoint loadable.
     python -m bench.faults                     # the full matrix: FL+FSDP and FL+HSDP, a table
     python -m bench.faults --json out.json     # also every case's record as JSON
     python -m bench.faults --quick             # FL+FSDP only (what tests/test_faults.py runs)
+    python -m bench.faults --elastic --no-matrix   # the elastic rows only
 
 Cases: {kill, freeze} x {forward, backward (reduce-scatter), FedAvg exchange, checkpoint save}
 x strategy, under the built-in launcher (``--nproc 4``) and as four separate ranks (each its
@@ -15,6 +16,15 @@ that stayed within the bound (2 x the collective timeout for the ranks, 10 s mor
 launcher), whether the message names the failed rank and the phase, processes left behind, and
 the newest complete checkpoint's step (verified against its hashes). ``hangs`` and ``orphans``
 in the last line must be 0.
+
+Elastic rows (``--elastic``, flcomm.federated.elastic): 8 ranks as 4 federation groups x 2,
+FedAvg every 4 steps, rank 3 (group 1) killed in the forward pass of step 5 or entering the
+exchange of step 8, and once with ``--rejoin`` (the launcher restarts group 1, which rejoins at
+the survivors' next sync). Columns: the groups lost and rejoined, the grace, the membership
+round's seconds, seconds from the fault until the survivors finished the step of that round,
+the bound (grace + 10 s), the tokens the lost group trained since its last committed round (at
+most one round), all tokens, the final groups, and whether the rejoined group's final
+parameters equal the survivors'.
 """
 
 from __future__ import annotations
@@ -234,6 +244,130 @@ def run_launcher_kill(strategy: str, sig: int, workdir: str, timeout_s: float = 
     return res
 
 
+ELASTIC_PHASES = {"forward": (5, "forward"), "fedavg": (8, "fedavg")}  # E = 4: both lose group 1 at the round of step 8
+ELASTIC_RANK = 3  # the second rank of federation group 1 of 4
+
+
+@dataclass
+class ElasticResult:
+    """One elastic case: 8 ranks as 4 federation groups x 2, rank 3 (group 1) killed."""
+
+    case: str
+    rc: int | None = None
+    lost: list[int] = field(default_factory=list)
+    rejoined: list[int] = field(default_factory=list)
+    grace_s: float = 0.0
+    membership_s: float | None = None  # the membership round (detection to new groups built)
+    resume_s: float | None = None      # from the fault until the survivors finished that sync's step
+    bound_s: float = 0.0               # grace + 10 s (issue target), from the survivors' failed round
+    within_bound: bool = False
+    steps: list[int] = field(default_factory=list)
+    tokens_lost: int = 0               # the lost group's tokens since its last committed round
+    tokens: int = 0                    # every token the run trained on
+    final_groups: list[int] = field(default_factory=list)
+    rejoined_equal: bool | None = None  # the rejoined group's parameters equal the survivors' at the end
+    message: str = ""
+
+
+def elastic_args(grace_s: float, steps: int, ckpt_dir: str, metrics: str, timeout_s: float = 20.0) -> list[str]:
+    """8 ranks as 4 federation groups of 2 (one node each), FedAvg every 4 steps, a checkpoint
+    every 4, ``--elastic``."""
+    return ["--strategy", "fl-fsdp", "--nproc", "8", "--ranks-per-node", "2", "--group-size", "2", "--model", "tiny",
+            "--steps", str(steps), "--batch-size", "2", "--seq-len", "32", "--max-tokens", "200000",
+            "--sync-every", "4", "--eval-batches", "1", "--eval-fraction", "0.05", "--warmup", "1",
+            "--timeout-s", str(timeout_s), "--no-progress", "--elastic", "--elastic-grace-s", str(grace_s),
+            "--checkpoint-dir", ckpt_dir, "--save-every", "4", "--metrics", metrics]
+
+
+def group_params_equal(ckpt_root: str, groups: list[int]) -> bool:
+    """The newest checkpoint of every group in ``groups`` (same step) holds the same model."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from flcomm.train import checkpoint as ckpt
+
+    models = []
+    for f in groups:
+        path = ckpt.latest_checkpoint(os.path.join(ckpt_root, f"group{f}"))
+        out = os.path.join(os.path.dirname(path), "full.pt")
+        dcp_to_torch_save(path, out)
+        sd = torch.load(out, weights_only=True)[f"group{f}"]["model"]
+        models.append((int(ckpt.read_meta(path)["step"]), sd))
+    step0, ref = models[0]
+    return all(st == step0 and all(torch.equal(ref[k], sd[k]) for k in ref) for st, sd in models)
+
+
+def run_elastic_fault(phase: str, workdir: str, grace_s: float = 3.0, rejoin: bool = False,
+                      steps: int = 12, wall_s: float = 300.0, extra: tuple[str, ...] = ()) -> ElasticResult:
+    """Kill rank 3 of 8 (federation group 1 of 4) when it enters ``phase`` (a key of
+    ELASTIC_PHASES), under ``--elastic`` (and ``--rejoin``: the launcher restarts group 1);
+    ``extra``: more flags of the run."""
+    from flcomm.train.metrics import read_metrics
+    from flcomm.train.monitor import read_heartbeat
+
+    step, mphase = ELASTIC_PHASES[phase]
+    res = ElasticResult(f"elastic kill {phase}" + (" + rejoin" if rejoin else ""), grace_s=grace_s,
+                        bound_s=grace_s + 10.0)
+    log_dir, ckpt_dir, metrics = (os.path.join(workdir, n) for n in ("log", "ckpt", "m.jsonl"))
+    args = (elastic_args(grace_s, steps, ckpt_dir, metrics) + ["--log-dir", log_dir] + (["--rejoin"] if rejoin else [])
+            + list(extra))
+    env = _env(FLCOMM_FAULT=f"{ELASTIC_RANK}:{step}:{mphase}:kill")
+    err_path = os.path.join(workdir, "stderr.txt")
+    t_fault = None
+    with open(err_path, "w") as err:
+        p = subprocess.Popen([sys.executable, "-m", "flcomm.train", *args], env=env, stdout=subprocess.DEVNULL,
+                             stderr=err, text=True, start_new_session=True)
+        deadline = time.monotonic() + wall_s
+        while p.poll() is None and time.monotonic() < deadline:
+            # NOTE: the faulty rank's heartbeat of the phase it dies in (a restarted rank overwrites it)
+            hb = read_heartbeat(log_dir, ELASTIC_RANK)
+            if t_fault is None and hb is not None and hb.get("step") == step and hb.get("phase") == mphase:
+                t_fault = float(hb["t"])
+            time.sleep(0.05)
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    with open(err_path) as f:
+        res.message = f.read()
+    res.rc = p.returncode
+    if not os.path.exists(metrics):
+        return res
+    m = read_metrics(metrics)
+    events = []
+    with open(metrics) as f:
+        events = [r["membership"] for r in map(json.loads, f) if "membership" in r]
+    lost = [e for e in events if e["lost"]]
+    res.lost = sorted({g for e in lost for g in e["lost"]})
+    res.rejoined = sorted({g for e in events if e["joined"] for g in e["joined"]})
+    res.steps = [r["step"] for r in m.steps]
+    res.tokens = m.steps[-1]["tokens"] if m.steps else 0
+    res.final_groups = events[-1]["groups"] if events else []
+    if lost:
+        res.membership_s = lost[0]["seconds"]
+        after = [r for r in m.steps if r["step"] == lost[0]["step"]]
+        if after and t_fault is not None:
+            res.resume_s = float(after[0]["wall_time"]) - t_fault
+        # NOTE: the survivors' failed round ends the membership round; from there to training
+        res.within_bound = res.membership_s <= res.bound_s and res.rc == 0
+        last_round = lost[0]["step"] - 4
+        res.tokens_lost = (step - last_round) * 2 * 2 * 32
+    if rejoin and res.rejoined:
+        res.rejoined_equal = group_params_equal(ckpt_dir, [0, 1, 2, 3])
+    return res
+
+
+def format_elastic(rows: list[ElasticResult]) -> str:
+    head = (f"{'case':<28} {'rc':>3} {'lost':>5} {'rejoin':>6} {'grace':>5} {'member s':>8} {'resume s':>8} "
+            f"{'bound':>5} {'ok':>3} {'tok lost':>8} {'tokens':>7} {'final':>10} {'equal':>5}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.case:<28} {str(r.rc):>3} {str(r.lost):>5} {str(r.rejoined):>6} {r.grace_s:>5.1f} "
+                     f"{r.membership_s or 0:>8.2f} {r.resume_s or 0:>8.2f} {r.bound_s:>5.1f} "
+                     f"{'y' if r.within_bound else 'n':>3} {r.tokens_lost:>8} {r.tokens:>7} "
+                     f"{str(r.final_groups):>10} {'-' if r.rejoined_equal is None else 'y' if r.rejoined_equal else 'n':>5}")
+    return "\n".join(lines)
+
+
 def matrix(quick: bool) -> list[tuple]:
     strategies = ["fl-fsdp"] if quick else ["fl-fsdp", "fl-hsdp"]
     cases: list[tuple] = []
@@ -274,17 +408,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="FL+FSDP under the launcher only")
     p.add_argument("--timeout-s", type=float, default=5.0, help="the runs' collective timeout")
     p.add_argument("--json", default=None, help="write every case's record here")
+    p.add_argument("--elastic", action=argparse.BooleanOptionalAction, default=None,
+                   help="the elastic rows (8 ranks as 4 groups x 2, a rank of group 1 killed; default: "
+                        "with the full matrix, not with --quick); --elastic alone with --no-matrix")
+    p.add_argument("--matrix", action=argparse.BooleanOptionalAction, default=True, help="the fault matrix")
+    p.add_argument("--grace-s", type=float, default=3.0, help="--elastic-grace-s of the elastic rows")
     args = p.parse_args(argv)
     rows = []
-    for case in matrix(args.quick):
+    for case in matrix(args.quick) if args.matrix else []:
         r = run(case, args.timeout_s)
         rows.append(r)
         print(f"{r.case}: rc {r.rc}, {r.seconds or 0:.1f} s, orphans {r.orphans}", file=sys.stderr, flush=True)
-    print(format_table(rows))
+    if rows:
+        print(format_table(rows))
+    erows = []
+    if args.elastic or (args.elastic is None and not args.quick):
+        for phase, rejoin in (("forward", False), ("fedavg", False), ("forward", True)):
+            with tempfile.TemporaryDirectory(prefix="flcomm-elastic-") as d:
+                e = run_elastic_fault(phase, d, args.grace_s, rejoin, steps=24 if rejoin else 12)
+            erows.append(e)
+            print(f"{e.case}: rc {e.rc}, lost {e.lost}, membership {e.membership_s or 0:.1f} s",
+                  file=sys.stderr, flush=True)
+        print(format_elastic(erows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
-    return 0 if all(r.within_bound and not r.orphans and r.names_rank and r.names_phase for r in rows) else 1
+            json.dump([asdict(r) for r in rows + erows], f, indent=1)
+    ok = all(r.within_bound and not r.orphans and r.names_rank and r.names_phase for r in rows)
+    return 0 if ok and all(e.within_bound and e.rejoined_equal is not False for e in erows) else 1
 
 
 if __name__ == "__main__":

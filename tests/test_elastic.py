@@ -89,3 +89,50 @@ def test_survivors_equal_the_simulation_without_the_lost_group(case):
         assert ev[0]["step"] == dropped + (1 if overlap else 0)
         for n, v in want[r // G].items():
             torch.testing.assert_close(got["params"][n], v, rtol=0, atol=1e-6, msg=lambda m: f"rank {r} {n}: {m}")
+
+
+# ---------------------------------------------------------------- the driver and its launcher
+# 8 ranks as 4 groups x 2 (bench/faults.py's elastic rows): E = 4, rank 3 killed.
+ROUND_TOKENS = 4 * 2 * 2 * 32  # one round of one group: E steps x G ranks x batch x seq_len
+
+
+def test_killed_rank_costs_its_group_only_and_the_group_rejoins(tmp_path):
+    from bench import faults
+
+    r = faults.run_elastic_fault("forward", str(tmp_path), GRACE_S, rejoin=True, steps=24)
+    assert r.rc == 0, r.message[-3000:]
+    assert r.lost == [1] and r.rejoined == [1] and r.final_groups == [0, 1, 2, 3], r
+    assert r.steps == list(range(1, 25)), r.steps  # the survivors never went back
+    assert r.within_bound and r.membership_s <= GRACE_S + 10, r
+    assert 0 < r.tokens_lost <= ROUND_TOKENS
+    # the rejoined group's parameters equal the survivors' after its first sync (the last step is one)
+    assert r.rejoined_equal, r
+
+
+def test_killed_in_the_exchange_then_resume_with_fewer_groups(tmp_path):
+    from bench import faults
+    from flcomm.train.metrics import read_metrics
+
+    r = faults.run_elastic_fault("fedavg", str(tmp_path), GRACE_S, steps=12)
+    assert r.rc == 0 and r.lost == [1] and r.final_groups == [0, 2, 3], r.message[-3000:]
+    assert r.steps == list(range(1, 13)) and r.within_bound, r
+    assert r.tokens_lost == ROUND_TOKENS  # the round it died in, no more
+    # resume from the per-group checkpoints with 3 groups of 2: group 1's own newest is of step
+    # 4, so it takes group 0's of step 12 (anchor, model and optimizer); the others their own
+    metrics = str(tmp_path / "resumed.jsonl")
+    args = faults.elastic_args(GRACE_S, 16, str(tmp_path / "ckpt"), metrics)
+    args[args.index("--nproc") + 1] = "6"
+    out = faults.subprocess.run([faults.sys.executable, "-m", "flcomm.train", *args, "--resume"], env=faults._env(),
+                                capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    m = read_metrics(metrics)
+    assert m.config["start_step"] == 12 and m.config["world_size"] == 6
+    assert [s["step"] for s in m.steps] == [13, 14, 15, 16]
+
+
+def test_fewer_groups_than_min_groups_end_the_job(tmp_path):
+    from bench import faults
+
+    r = faults.run_elastic_fault("fedavg", str(tmp_path), GRACE_S, steps=12, extra=("--min-groups", "4"))
+    assert r.rc not in (0, None), r
+    assert "fewer than --min-groups 4" in r.message, r.message[-3000:]

@@ -192,9 +192,11 @@ class Federation:
         return self.rank == self.topology.group_ranks(min(self.groups))[0]
 
     # ---------------------------------------------------------------- the round agreement
-    def commit(self, round_name: str, ok: bool) -> Outcome:
+    def commit(self, round_name: str, ok: bool, admit: bool = True) -> Outcome:
         """Steps 1-2 of the module docstring for round ``round_name`` of this generation.
-        Returns the :class:`Outcome` every rank of the live groups gets."""
+        Returns the :class:`Outcome` every rank of the live groups gets. ``admit``: the round
+        may admit rejoining groups (FedAvg's syncs do; other rounds, e.g. an evaluation the
+        newcomers would miss, do not)."""
         g = self.generation
         base = f"g{g}/{round_name}/"
         n = len(self.live_ranks())
@@ -209,7 +211,7 @@ class Federation:
             oks, fails = self.kv.add(base + "ok", 0), self.kv.add(base + "fail", 0)
             if oks >= n or fails > 0 or time.monotonic() > deadline:
                 commit = oks >= n and fails == 0
-                proposal = json.dumps({"commit": commit, "admit": self._pending_rejoins() if commit else []})
+                proposal = json.dumps({"commit": commit, "admit": self._pending_rejoins() if commit and admit else []})
                 self.kv.compare_set(base + "outcome", "", proposal)
                 continue
             poll.sleep()

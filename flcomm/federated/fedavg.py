@@ -663,10 +663,8 @@ class FedAvg:
             transport = self.transport
             job = self._engine.submit(lambda job: fn(transport), f"{name} over the federation")
             out, ok = self._await_round(name, job, 2 * self.mesh.timeout.total_seconds())
-            outcome = self.federation.commit(name, ok)
+            outcome = self.federation.commit(name, ok, admit=False)
             if outcome.committed:
-                if outcome.admit:
-                    self._handover(outcome.admit)
                 return out
             self.federation.reform(self.steps)
             self._rebind()

@@ -703,7 +703,7 @@ class StepLogger:
             self.sums[t] += d[t]
         rec: dict[str, Any] = {
             "step": step, "loss": loss, "lr": lr_at(self.run.cfg, step), "tokens": self.tokens,
-            "time_s": self.elapsed(), "tokens_per_s": tps / dt, "step_time_s": dt, "exposed_comm_s": exposed,
+            "time_s": self.elapsed(), "wall_time": time.time(), "tokens_per_s": tps / dt, "step_time_s": dt, "exposed_comm_s": exposed,
             "internode_bytes": d[LinkTier.INTER_NODE], "intergroup_bytes": d[LinkTier.INTER_GROUP],
             "intranode_bytes": d[LinkTier.INTRA_NODE],
         }
@@ -808,6 +808,9 @@ def _train(cfg: TrainConfig, mon: Monitor, return_params: bool, stop_after: int 
     run.model.train()
     step = run.start_step
     try:
+        if cfg.rejoin:
+            # NOTE: admitted in the middle of the survivors' step: its evaluation and checkpoint are still to come
+            _eval_and_save(run, policy, log, res, step)
         for step in range(run.start_step + 1, end + 1):
             t0 = time.perf_counter()
             res.losses.append(train_step(run, step))
@@ -815,15 +818,7 @@ def _train(cfg: TrainConfig, mon: Monitor, return_params: bool, stop_after: int 
             if cfg.nan_policy == "stop" and (policy.eval_due(step) or policy.save_due(step)):
                 mon.enter(step, "nan-check")
                 _agree_non_finite(run, step)
-            ev = None
-            if policy.eval_due(step):
-                mon.enter(step, "eval")
-                if run.fed is not None:
-                    run.fed.finish()
-                ev = res.eval_losses[step] = log.counter.excluding(
-                    lambda: evaluate(run.model, run.held, run.device, run.fed, step))
-            if policy.save_due(step):
-                policy.save(run, step, log.elapsed())
+            ev = _eval_and_save(run, policy, log, res, step)
             log.step(step, res.losses[-1], dt, ev)
         mon.enter(step, "end")
         if run.fed is not None:
@@ -837,6 +832,21 @@ def _train(cfg: TrainConfig, mon: Monitor, return_params: bool, stop_after: int 
     if return_params:
         res.params = _full_params(run.model)
     return res
+
+
+def _eval_and_save(run: Run, policy: CheckpointPolicy, log: StepLogger, res: TrainResult, step: int) -> float | None:
+    """Evaluation and checkpoint of ``step`` when due (both finish an exchange in flight first);
+    the evaluation loss, if any."""
+    ev = None
+    if policy.eval_due(step):
+        run.monitor.enter(step, "eval")
+        if run.fed is not None:
+            run.fed.finish()
+        ev = res.eval_losses[step] = log.counter.excluding(
+            lambda: evaluate(run.model, run.held, run.device, run.fed, step))
+    if policy.save_due(step):
+        policy.save(run, step, log.elapsed())
+    return ev
 
 
 def check_before_launch(cfg: TrainConfig, world_size: int) -> Topology:
