@@ -1,4 +1,5 @@
-"""Federation: the strategies and their topology and meshes; the FedAvg synchronizer.
+"""Federation: the strategies and their topology and meshes; the FedAvg synchronizer; the
+elastic federation.
 
 Exports are lazy, so importing :mod:`flcomm.federated.topology` or
 :mod:`flcomm.federated.strategy` (pure descriptions, used by the cost model) does not import
@@ -16,6 +17,8 @@ _LAZY = {
     "RankCoords": "flcomm.federated.topology",
     "Topology": "flcomm.federated.topology",
     "Strategy": "flcomm.federated.strategy",
+    "Federation": "flcomm.federated.elastic",
+    "GroupLostError": "flcomm.federated.elastic",
 }
 
 __all__ = list(_LAZY)
