@@ -156,14 +156,14 @@ def format_sync(sync: dict[str, Any]) -> str:
     for n in med:
         out.append(f"{n:<20} {nb[n]:>8} {med[n] * 1e3:8.2f}ms {med[n] / base:5.2f}x")
     out.append(f"(median of {sync['iters']} blocking syncs each, interleaved, slowest rank; on CPU host = "
-               "device: this is the staging overhead only (copies through the scratch, single-buffered "
-               "half-size buckets), no PCIe transfer)")
+               "device: this is the staging overhead only (copies through the scratch, a single-buffered "
+               "pipeline of smaller buckets), no PCIe transfer)")
     return "\n".join(out)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'mode':<28} {'held':>7} {'stats':>7} {'target':>8} {'on dev':>7} {'anchor':>7} {'own':>6} "
-            f"{'moment':>7} {'resid':>6} {'staging':>8}")
+    head = (f"{'mode':<28} {'held':>7} {'stats':>7} {'target':>8} {'on dev':>7} {'exch':>6} {'anchor':>7} "
+            f"{'own':>6} {'moment':>7} {'resid':>6} {'staging':>8}")
     out = [head, "-" * len(head)]
     for r in rows:
         s, sh = r["stats"], r["shard_bytes"]
@@ -171,12 +171,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                   f"{TARGETS[r['mode']]:.1f}" if r["mode"] in TARGETS else "")
         on_dev = (s["device"] + s["transient"]) / sh
         out.append(f"{r['mode']:<28} {r['held_x']:6.3f}x {r['stats_x']:6.3f}x {target:>8} {on_dev:6.3f}x "
-                   f"{s['anchor'] / sh:6.2f}x {s['own'] / sh:5.2f}x {s['momentum'] / sh:6.2f}x "
+                   f"{(s['staging'] + s['transient']) / sh / r['bucket_x']:6.2f} {s['anchor'] / sh:6.2f}x {s['own'] / sh:5.2f}x {s['momentum'] / sh:6.2f}x "
                    f"{s['residual'] / sh:5.2f}x {s['staging'] / sh:7.3f}x")
     out.append(f"(multiples of the fp32 shard, {rows[0]['shard_bytes'] / 2**20:.0f} MiB; bucket = "
                f"{rows[0]['bucket_x']:.3f}x; paper's-mode and offload targets = 2 buckets, on the device; "
                "'on dev' = stats - offloaded + the largest exchange temporary: the accounting's device part "
-               "(on a CPU-only machine the host is the device); 'held' = storages the gc sees)")
+               "(on a CPU-only machine the host is the device); 'exch' = the exchange's device buffers (staging "
+               "+ temporary) in buckets; 'held' = storages the gc sees)")
     return "\n".join(out)
 
 

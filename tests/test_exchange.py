@@ -98,12 +98,14 @@ def _worker(rank: int, world: int) -> dict:
             self.log.append("ar")
             return super()._all_reduce(tensor, op)
 
-    tr = Recording()
-    loc = _data(rank, "local")
-    ex = DeltaExchange(tr, loc, codec=resolve_codec("int8"), bucket_mb=BUCKET_MB, error_feedback=True,
-                       in_place=False, anchors=_data(0, "anchor"))
-    _run(ex, loc)
-    out["order"] = (list(tr.log), ex.bar.num_buckets)
+    for key, offload in (("order", False), ("order offload", True)):
+        tr = Recording()
+        tr.log = []
+        loc = _data(rank, "local")
+        ex = DeltaExchange(tr, loc, codec=resolve_codec("int8"), bucket_mb=BUCKET_MB, error_feedback=True,
+                           in_place=False, anchors=_data(0, "anchor"), offload=offload)
+        _run(ex, loc)
+        out[key] = (list(tr.log), ex.bar.num_buckets)
     return out
 
 
@@ -178,4 +180,9 @@ def test_issue_order_is_the_documented_pipeline_on_every_rank(results):
         want += ["a2a", "ag"]  # issue bucket k, then the middle (all-gather) of bucket k-1
     want += ["ag"]
     assert logs[0] == want, logs[0]
+    assert all(log == logs[0] for log in logs)
+    # offload: single-buffered (one bucket on the device at a time)
+    logs = [r["order offload"][0] for r in results]
+    nb = results[0]["order offload"][1]
+    assert nb >= 3 and logs[0] == ["a2a", "ag"] * nb, logs[0]
     assert all(log == logs[0] for log in logs)
