@@ -117,6 +117,9 @@ class DeltaExchange:
             buffers and non-parameters take the plain average).
         replicate: the replicas' private group (:func:`replicate_transport`): exchange one slice
             per replica and all-gather (module docstring); None exchanges everything.
+        offload: the anchors, own deltas, momentum and residuals live in host memory and are
+            staged through the device (module docstring); nothing to offload in place.
+        residual_dtype, staging: of the :class:`BucketedAllReduce`.
     """
 
     def __init__(self, transport: "Transport", tensors: list[Tensor], *, codec: Codec, bucket_mb: float,
@@ -125,14 +128,16 @@ class DeltaExchange:
                  momentum_index: list[int | None] | None = None, offload: bool = False,
                  residual_dtype: torch.dtype = torch.float32, staging: list | None = None,
                  replicate: "Transport | None" = None) -> None:
-        self.codec, self.in_place, self.offload = codec, in_place, bool(offload)
+        # NOTE: the in-place mode keeps nothing at full size: nothing to offload, so it keeps
+        # the double-buffered pipeline
+        self.codec, self.in_place, self.offload = codec, in_place, bool(offload) and not in_place
         self.anchors, self.own, self.outer = anchors, own, outer
         self.momentum_index = momentum_index or [None] * len(tensors)
         if not in_place and anchors is None:
             raise ValueError("the delta modes need the anchors")
         self.bar = BucketedAllReduce(transport, tensors, codec=codec, bucket_mb=bucket_mb,
                                      error_feedback=error_feedback, op="avg", keep_dtype=in_place,
-                                     offload=offload, residual_dtype=residual_dtype, staging=staging,
+                                     offload=self.offload, residual_dtype=residual_dtype, staging=staging,
                                      replicate=replicate)
 
     @property
