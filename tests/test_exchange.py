@@ -71,6 +71,20 @@ def _worker(rank: int, world: int) -> dict:
     out["overlap"] = {"local_untouched": all(torch.equal(a, b) for a, b in zip(loc, before)),
                       "own": [o.clone() for o in own], "anchor": [a.clone() for a in anchors]}
 
+    # 3b. the apply step, local += own (in the local's dtype), piece by piece: bf16 locals with
+    # fp32 anchors and own deltas, on the device and offloaded (staged through the scratch)
+    for offload in (False, True):
+        loc = _data(rank, "local", torch.bfloat16)
+        anchors = [a.float() for a in _data(0, "anchor")]
+        own = [t.float() - a for t, a in zip(loc, anchors)]
+        ex = DeltaExchange(TorchTransport(), loc, codec=none, bucket_mb=BUCKET_MB, error_feedback=False,
+                           in_place=False, anchors=anchors, own=own, offload=offload)
+        _run(ex, loc)
+        want = [t + o.to(t.dtype) for t, o in zip(loc, own)]  # what FedAvg's apply step does
+        ex.add_own(loc)
+        out[("add_own", offload)] = all(torch.equal(a, b) for a, b in zip(loc, want)) and \
+            not all(torch.equal(a, b) for a, b in zip(loc, _data(rank, "local", torch.bfloat16)))
+
     # 4. a non-finite average is not applied to its bucket
     loc = _data(rank, "local")
     anchors = _data(0, "anchor")
@@ -155,6 +169,11 @@ def test_overlap_correction_with_nesterov_matches_torch_sgd(results):
             torch.testing.assert_close(o["anchor"][i].double(), p, rtol=1e-6, atol=1e-5)
             disp = p - anchor0[i].double()
             torch.testing.assert_close(o["own"][i].double(), disp - own0[i].double(), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_add_own_is_the_apply_step(results, offload):
+    assert all(r[("add_own", offload)] for r in results)
 
 
 def test_non_finite_bucket_is_not_applied(results):

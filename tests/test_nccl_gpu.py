@@ -668,7 +668,8 @@ def test_two_ranks_against_torch_nccl():
 def _offload_exchange(rank: int, world: int) -> dict:
     """A DeltaExchange (overlap, Nesterov, error feedback) on a 1-rank NCCL group, with its full-size
     state on the GPU and again in pinned host memory (offload): bit-identical results, and the
-    offloaded run allocates at most two buckets on the GPU (staging buffer and scratch)."""
+    offloaded run (two exchanges and the apply step) allocates at most two buckets on the GPU
+    (staging buffer and scratch)."""
     from flcomm.comm import TorchTransport
     from flcomm.comm.engine import get_engine
     from flcomm.federated.exchange import DeltaExchange, resolve_codec
@@ -696,14 +697,17 @@ def _offload_exchange(rank: int, world: int) -> dict:
         ex = DeltaExchange(TorchTransport(), loc, codec=resolve_codec("int8"), bucket_mb=bucket_mb,
                            error_feedback=True, in_place=False, anchors=anchors, own=own, outer=outer,
                            momentum_index=[0, 1, None], offload=offload)
+        applied = [t.clone() for t in loc]
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
         for _ in range(2):  # the second run reuses the buffers of the first
             get_engine(dev).submit(lambda j: ex.run(j, loc), "offload test").wait(60)
+        ex.add_own(applied)  # the apply step, on this stream
         torch.cuda.synchronize()
         res[offload] = {"extra": torch.cuda.max_memory_allocated(dev) - base,
                         "anchors": [a.cpu() for a in anchors], "own": [o.cpu() for o in own],
+                        "applied": [t.cpu() for t in applied],
                         "momentum": [b.cpu() for b in outer.buffers], "mem": ex.memory_bytes(),
                         "bucket": bucket_mb * 2**20}
     return res
@@ -714,7 +718,7 @@ def _offload_exchange(rank: int, world: int) -> dict:
 def test_offloaded_exchange_on_the_gpu():
     (res,) = run_distributed(_offload_exchange, 1, timeout=150, backend="nccl")
     dev, off = res[False], res[True]
-    for key in ("anchors", "own", "momentum"):
+    for key in ("anchors", "own", "momentum", "applied"):
         for a, b in zip(dev[key], off[key]):
             assert torch.equal(a, b), key
     bucket = off["bucket"]

@@ -397,14 +397,15 @@ class BucketedAllReduce:
     def _slot(self, k: int) -> _Slot:
         return self._slots[0 if self.offload else k % 2]
 
-    def scratch(self, flat: Tensor) -> Tensor:
-        """Offload: a device buffer like ``flat`` (the bucket a ``pack`` / ``unpack`` was given),
-        for staging host pieces at their segments' offsets. It is free outside the pack and the
-        unpack (the pipeline is single-buffered and the bucket's residual is back home by then)."""
+    def scratch(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """Offload: a device buffer of ``numel`` elements of ``dtype`` (at most a bucket's), for
+        staging host pieces at their segments' offsets. It is free outside a bucket's pack and
+        unpack (the pipeline is single-buffered and the bucket's residual is back home by then)
+        and once the exchange's job was waited."""
         if not self.offload:
             raise RuntimeError("scratch() is for offloaded exchanges (offload=True)")
-        nbytes = flat.numel() * flat.element_size()
-        return self._grow(self._slots[0], "scratch", nbytes)[:nbytes].view(flat.dtype)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        return self._grow(self._slots[0], "scratch", nbytes)[:nbytes].view(dtype)
 
     def _grow(self, slot: _Slot, attr: str, nbytes: int) -> Tensor:
         """The slot's byte buffer ``attr``, grown to at least ``nbytes``."""

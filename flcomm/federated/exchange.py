@@ -174,7 +174,7 @@ class DeltaExchange:
         piece = self._piece(home, s)
         if not self.offload:
             return piece
-        dev = self.bar.scratch(flat)[s.bucket_offset: s.bucket_offset + s.length]
+        dev = self.bar.scratch(flat.numel(), flat.dtype)[s.bucket_offset: s.bucket_offset + s.length]
         # NOTE: non-blocking from pinned memory: the host writes this piece only by _back's
         # blocking copy, which the stream orders after this one
         dev.copy_(piece, non_blocking=True)
@@ -217,6 +217,28 @@ class DeltaExchange:
                 own = self._stage(self.own[s.index], s, flat)
                 own.neg_().add_(disp)
                 self._back(self._piece(self.own[s.index], s), own)
+
+    @torch.no_grad()
+    def add_own(self, locals_: list[Tensor]) -> None:
+        """The apply step of overlap, ``local += own`` (``own``: the correction the unpack left,
+        rounded to the local's dtype first), piece by piece along the buckets, so no full-size
+        copy reaches the device; with offload each piece passes through the scratch (converted
+        on the host). Call on the training loop's stream once the exchange's job was waited (the
+        scratch is free then, and that stream is ordered after the job)."""
+        if self.own is None:
+            raise RuntimeError("add_own() needs the own deltas (overlap)")
+        for segs in self.bar.layout():
+            for s in segs:
+                local, own = self._piece(locals_[s.index], s), self._piece(self.own[s.index], s)
+                if self.offload:
+                    buf = self.bar.scratch(s.bucket_offset + s.length, local.dtype)
+                    if buf.is_cuda:
+                        buf.record_stream(torch.cuda.current_stream(buf.device))  # NOTE: used off the engine's stream
+                    dev = buf[s.bucket_offset:]
+                    dev.copy_(own, non_blocking=True)  # NOTE: own is rewritten only after a sync of this stream
+                    local.add_(dev)
+                else:
+                    local.add_(own if own.dtype == local.dtype else own.to(local.dtype))
 
     # ---- state ----
     def state_dict(self) -> dict:
