@@ -23,7 +23,7 @@ Then the extra sync time of offload: int8+EF with and without ``offload="cpu"`` 
 the model, ``--sync-iters`` blocking syncs each (``sync_every=1``), interleaved, after a warm-up
 sync; the time of a sync is the slowest rank's, the table shows the median and the ratio. On CPU
 host and device are one memory, so this measures only the staging overhead (the copies through
-the scratch, and the single-buffered pipeline of half-size buckets), not a PCIe transfer.
+the scratch, and the single-buffered pipeline of smaller buckets), not a PCIe transfer.
 
 Usage::
 
@@ -170,8 +170,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         target = (f"{2 * r['bucket_x']:.3f}" if r["mode"].startswith("paper") or "offload" in r["mode"] else
                   f"{TARGETS[r['mode']]:.1f}" if r["mode"] in TARGETS else "")
         on_dev = (s["device"] + s["transient"]) / sh
+        exch = (s["staging"] + s["transient"]) / sh / r["bucket_x"]
         out.append(f"{r['mode']:<28} {r['held_x']:6.3f}x {r['stats_x']:6.3f}x {target:>8} {on_dev:6.3f}x "
-                   f"{(s['staging'] + s['transient']) / sh / r['bucket_x']:6.2f} {s['anchor'] / sh:6.2f}x {s['own'] / sh:5.2f}x {s['momentum'] / sh:6.2f}x "
+                   f"{exch:6.2f} {s['anchor'] / sh:6.2f}x {s['own'] / sh:5.2f}x {s['momentum'] / sh:6.2f}x "
                    f"{s['residual'] / sh:5.2f}x {s['staging'] / sh:7.3f}x")
     out.append(f"(multiples of the fp32 shard, {rows[0]['shard_bytes'] / 2**20:.0f} MiB; bucket = "
                f"{rows[0]['bucket_x']:.3f}x; paper's-mode and offload targets = 2 buckets, on the device; "
