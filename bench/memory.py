@@ -9,13 +9,27 @@ mode two figures, measured independently:
   built, i.e. everything the FedAvg keeps (and anything else it leaked);
 * ``stats``: :meth:`FedAvg.memory_stats` (its own accounting), split by buffer kind.
 
+``on dev`` is the accounting's device part: ``stats`` minus what lives in host memory with
+offload (anchor, own delta, momentum, residuals), i.e. the exchange's device pool (``staging``:
+bucket buffers, the offload scratch, two-hop plans) and the flags, plus ``transient``, the
+largest temporary an exchange allocates there (hop 2's error with error feedback). On a
+CPU-only machine host and device are one memory, so this column is the accounting, not a
+measurement: ``held`` checks that the accounting misses no buffer.
+
 The targets (issue 10): the paper's mode <= 2 buckets; int8+EF <= 2.1x; int8+EF+overlap+nesterov
 <= 4.1x; with offload <= 2 buckets on the device. On CUDA the device peak is reported as well.
+
+Then the extra sync time of offload: int8+EF with and without ``offload="cpu"`` on two copies of
+the model, ``--sync-iters`` blocking syncs each (``sync_every=1``), interleaved, after a warm-up
+sync; the time of a sync is the slowest rank's, the table shows the median and the ratio. On CPU
+host and device are one memory, so this measures only the staging overhead (the copies through
+the scratch, and the single-buffered pipeline of smaller buckets), not a PCIe transfer.
 
 Usage::
 
     python -m bench.memory                 # table
     python -m bench.memory --json mem.json --bucket-mb 1
+    python -m bench.memory --sync-iters 0  # memory only
 """
 
 from __future__ import annotations
@@ -24,7 +38,9 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
+import time
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -44,6 +60,10 @@ MODES: dict[str, dict[str, Any]] = {
     "int8+EF, fragments=4": {"codec": "int8", "error_feedback": True, "fragments": 4},
 }
 TARGETS = {"int8+EF": 2.1, "int8+EF, overlap, nesterov": 4.1}
+SYNC_MODES: dict[str, dict[str, Any]] = {
+    "int8+EF": {"codec": "int8", "error_feedback": True},
+    "int8+EF, offload": {"codec": "int8", "error_feedback": True, "offload": "cpu"},
+}
 
 
 def live_storage_bytes() -> int:
@@ -96,26 +116,69 @@ def _rank(rank: int, world: int, port: int, a: argparse.Namespace, q: Any) -> No
                      "stats_x": st["total"] / shard, "bucket_x": a.bucket_mb * 2**20 / shard,
                      "shard_bytes": shard})
         del fed, model
+    sync = _sync_times(mesh, a) if a.sync_iters > 0 else {}
     if rank == 0:
-        q.put(rows)
+        q.put((rows, sync))
     dist.destroy_process_group()
 
 
+def _sync_times(mesh: Any, a: argparse.Namespace) -> dict[str, Any]:
+    """Seconds per blocking sync of each of :data:`SYNC_MODES` (the slowest rank's), interleaved."""
+    import torch.distributed as dist
+
+    from flcomm.federated.fedavg import FedAvg
+
+    feds = {}
+    for name, kw in SYNC_MODES.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(a.width, a.width, bias=False) for _ in range(a.layers)])
+        feds[name] = (model, FedAvg(model, mesh, sync_every=1, bucket_mb=a.bucket_mb, **kw))
+    times: dict[str, list[float]] = {n: [] for n in feds}
+    for it in range(a.sync_iters + 1):
+        for name, (model, fed) in feds.items():
+            _train_step(model)
+            dist.barrier()
+            t0 = time.perf_counter()
+            fed.step()
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            if it:  # NOTE: the first sync (buffers allocated, plans built) is the warm-up
+                times[name].append(float(dt))
+    return {"median_s": {n: statistics.median(v) for n, v in times.items()},
+            "buckets": {n: fed._exchange.bar.num_buckets for n, (_, fed) in feds.items()},
+            "iters": a.sync_iters}
+
+
+def format_sync(sync: dict[str, Any]) -> str:
+    med, nb = sync["median_s"], sync["buckets"]
+    base = med["int8+EF"]
+    out = [f"{'sync of':<20} {'buckets':>8} {'time/sync':>10} {'ratio':>6}", "-" * 47]
+    for n in med:
+        out.append(f"{n:<20} {nb[n]:>8} {med[n] * 1e3:8.2f}ms {med[n] / base:5.2f}x")
+    out.append(f"(median of {sync['iters']} blocking syncs each, interleaved, slowest rank; on CPU host = "
+               "device: this is the staging overhead only (copies through the scratch, a single-buffered "
+               "pipeline of smaller buckets), no PCIe transfer)")
+    return "\n".join(out)
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'mode':<28} {'held':>7} {'stats':>7} {'target':>8} {'on dev':>7} {'anchor':>7} {'own':>6} "
-            f"{'moment':>7} {'resid':>6} {'staging':>8}")
+    head = (f"{'mode':<28} {'held':>7} {'stats':>7} {'target':>8} {'on dev':>7} {'exch':>6} {'anchor':>7} "
+            f"{'own':>6} {'moment':>7} {'resid':>6} {'staging':>8}")
     out = [head, "-" * len(head)]
     for r in rows:
         s, sh = r["stats"], r["shard_bytes"]
         target = (f"{2 * r['bucket_x']:.3f}" if r["mode"].startswith("paper") or "offload" in r["mode"] else
                   f"{TARGETS[r['mode']]:.1f}" if r["mode"] in TARGETS else "")
-        on_dev = (s["total"] - s["offloaded"]) / sh
+        on_dev = (s["device"] + s["transient"]) / sh
+        exch = (s["staging"] + s["transient"]) / sh / r["bucket_x"]
         out.append(f"{r['mode']:<28} {r['held_x']:6.3f}x {r['stats_x']:6.3f}x {target:>8} {on_dev:6.3f}x "
-                   f"{s['anchor'] / sh:6.2f}x {s['own'] / sh:5.2f}x {s['momentum'] / sh:6.2f}x "
+                   f"{exch:6.2f} {s['anchor'] / sh:6.2f}x {s['own'] / sh:5.2f}x {s['momentum'] / sh:6.2f}x "
                    f"{s['residual'] / sh:5.2f}x {s['staging'] / sh:7.3f}x")
     out.append(f"(multiples of the fp32 shard, {rows[0]['shard_bytes'] / 2**20:.0f} MiB; bucket = "
                f"{rows[0]['bucket_x']:.3f}x; paper's-mode and offload targets = 2 buckets, on the device; "
-               "'on dev' is the accounting's device part: on a CPU-only machine the host is the device)")
+               "'on dev' = stats - offloaded + the largest exchange temporary: the accounting's device part "
+               "(on a CPU-only machine the host is the device); 'exch' = the exchange's device buffers (staging "
+               "+ temporary) in buckets; 'held' = storages the gc sees)")
     return "\n".join(out)
 
 
@@ -124,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--bucket-mb", type=float, default=1.0)
+    p.add_argument("--sync-iters", type=int, default=5, help="timed syncs per mode (0: skip)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     from bench.common import free_port
@@ -139,11 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     if any(pr.exitcode != 0 for pr in procs):
         print(f"a rank failed: exit codes {[pr.exitcode for pr in procs]}", file=sys.stderr)
         return 1
-    rows = q.get()
+    rows, sync = q.get()
     print(format_table(rows))
+    if sync:
+        print()
+        print(format_sync(sync))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"config": vars(a), "rows": rows}, f, indent=1)
+            json.dump({"config": vars(a), "rows": rows, "sync": sync}, f, indent=1)
     return 0
 
 

@@ -14,6 +14,7 @@ SHAPES = [(7, 5), (1000,), (), (0,), (3, 4, 33), (257,)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float32, torch.float32, torch.float16, torch.float32]
 WORLD = 3
 BUCKET_MB = 600 * 4 / 2**20  # 600 fp32 elements: tensors span buckets
+OFFLOAD_MB = 2**14 * 4 / 2**20  # 16384 fp32 elements
 
 
 def _tensors(rank: int, round_: int, integer: bool) -> list[torch.Tensor]:
@@ -58,23 +59,36 @@ def _body(rank: int, world: int) -> dict:
             "layout": bar.layout(),
         }
 
-    # 2. int8 with error feedback, 2 rounds via start(tensors), then save / restore the state
-    ts0 = [t.float() for t in _tensors(rank, 1, integer=False)]
-    bar = BucketedAllReduce(tr, ts0, codec="int8", bucket_mb=BUCKET_MB, error_feedback=True, op="avg")
-    outs = []
-    for rnd in range(2):
-        ts = [t.float() for t in _tensors(rank, 1 + rnd, integer=False)]
-        bar.start(ts).wait()
-        outs.append(ts)
-    sd = bar.state_dict()
-    bar2 = BucketedAllReduce(tr, ts0, codec="int8", bucket_mb=BUCKET_MB, error_feedback=True, op="avg")
-    bar2.load_state_dict(sd)
-    t_a = [t.float() for t in _tensors(rank, 3, integer=False)]
-    t_b = [t.clone() for t in t_a]
-    bar.start(t_a).wait()
-    bar2.start(t_b).wait()
-    res["int8"] = {"outs": outs, "restored_equal": all(torch.equal(a, b) for a, b in zip(t_a, t_b)),
-                   "residuals": sd["residuals"], "numels": bar.bucket_numels, "layout": bar.layout()}
+    # 2. int8 with error feedback, 2 rounds via start(tensors), then save / restore the state;
+    # offload: the same, single-buffered, the residuals in host memory staged through the scratch
+    for key, offload in (("int8", False), ("int8 offload", True)):
+        ts0 = [t.float() for t in _tensors(rank, 1, integer=False)]
+        kw = dict(codec="int8", bucket_mb=BUCKET_MB, error_feedback=True, op="avg", offload=offload)
+        bar = BucketedAllReduce(tr, ts0, **kw)
+        outs = []
+        for rnd in range(2):
+            ts = [t.float() for t in _tensors(rank, 1 + rnd, integer=False)]
+            bar.start(ts).wait()
+            outs.append(ts)
+        sd = bar.state_dict()
+        bar2 = BucketedAllReduce(tr, ts0, **kw)
+        bar2.load_state_dict(sd)
+        t_a = [t.float() for t in _tensors(rank, 3, integer=False)]
+        t_b = [t.clone() for t in t_a]
+        bar.start(t_a).wait()
+        bar2.start(t_b).wait()
+        res[key] = {"outs": outs, "restored_equal": all(torch.equal(a, b) for a, b in zip(t_a, t_b)),
+                    "residuals": sd["residuals"], "numels": bar.bucket_numels, "layout": bar.layout()}
+
+    # 2b. offload keeps at most two buckets on the device, whatever the codec
+    big = [torch.randn(70_000, generator=torch.Generator().manual_seed(rank)), torch.randn(30_001)]
+    res["offload memory"] = {}
+    for codec in ("none", "int8", "fp8", "bf16", "fp16"):
+        for offload in (False, True):
+            bar = BucketedAllReduce(tr, [t.clone() for t in big], codec=codec, bucket_mb=OFFLOAD_MB,
+                                    error_feedback=codec != "none", offload=offload)
+            bar.start().wait()
+            res["offload memory"][(codec, offload)] = {**bar.memory_bytes(), "numels": bar.bucket_numels}
 
     # 3. errors
     msgs = []
@@ -136,8 +150,9 @@ def _flatten_bucket(ts: list[torch.Tensor], segs) -> torch.Tensor:
     return flat
 
 
-def test_int8_buckets_match_the_two_hop_simulation_with_error_feedback(results):
-    layout = results[0]["int8"]["layout"]
+@pytest.mark.parametrize("key", ["int8", "int8 offload"])
+def test_int8_buckets_match_the_two_hop_simulation_with_error_feedback(results, key):
+    layout = results[0][key]["layout"]
     residuals = [[torch.zeros(sum(s.length for s in segs)) for segs in layout] for _ in range(WORLD)]
     for rnd in range(2):
         inputs = [[t.float() for t in _tensors(r, 1 + rnd, integer=False)] for r in range(WORLD)]
@@ -146,15 +161,33 @@ def test_int8_buckets_match_the_two_hop_simulation_with_error_feedback(results):
             out, _, new_res = simulate_two_hop(xs, "int8", "avg", residuals=[residuals[r][b] for r in range(WORLD)])
             for r in range(WORLD):
                 residuals[r][b] = new_res[r]
-                got = _flatten_bucket(results[r]["int8"]["outs"][rnd], segs)
+                got = _flatten_bucket(results[r][key]["outs"][rnd], segs)
                 assert torch.equal(got, out), (rnd, b, r, float((got - out).abs().max()))
     for r in range(WORLD):
-        saved = results[r]["int8"]["residuals"]
+        saved = results[r][key]["residuals"]
         for b, segs in enumerate(layout):
             n = residuals[r][b].numel()
             assert torch.equal(saved[b][:n], residuals[r][b])
             assert not bool(saved[b][n:].any())  # the padding never carries error
-    assert all(r["int8"]["restored_equal"] for r in results)
+    assert all(r[key]["restored_equal"] for r in results)
+
+
+@pytest.mark.parametrize("codec", ["none", "int8", "fp8", "bf16", "fp16"])
+def test_offload_keeps_at_most_two_buckets_on_the_device(results, codec):
+    """Staging (buffer, scratch, plan) plus hop 2's temporary <= 2 buckets with offload; without
+    it the layout is bucket_mb's, with it the largest buckets that fit (codec none: less the
+    padding; a lossy codec: between a third and two thirds)."""
+    bucket = OFFLOAD_MB * 2**20
+    for r in results:
+        dev, off = r["offload memory"][(codec, False)], r["offload memory"][(codec, True)]
+        assert off["staging"] + off["transient"] <= 2 * bucket, (off, (off["staging"] + off["transient"]) / bucket)
+        assert dev["numels"][0] == bucket // 4 and sum(dev["numels"]) == sum(off["numels"]) == 100_001
+        n, cap = off["numels"][0], dev["numels"][0]
+        if codec == "none":  # one alignment's padding less
+            assert cap - WORLD * 4 <= n < cap, (n, cap)
+        else:  # cut to fit the codec's plan
+            assert cap // 3 <= n <= 2 * cap // 3, (n, cap)
+        assert off["residual"] >= (0 if codec == "none" else 4 * 100_001)  # in host memory (padded)
 
 
 def test_bad_input_errors(results):

@@ -71,6 +71,20 @@ def _worker(rank: int, world: int) -> dict:
     out["overlap"] = {"local_untouched": all(torch.equal(a, b) for a, b in zip(loc, before)),
                       "own": [o.clone() for o in own], "anchor": [a.clone() for a in anchors]}
 
+    # 3b. the apply step, local += own (in the local's dtype), piece by piece: bf16 locals with
+    # fp32 anchors and own deltas, on the device and offloaded (staged through the scratch)
+    for offload in (False, True):
+        loc = _data(rank, "local", torch.bfloat16)
+        anchors = [a.float() for a in _data(0, "anchor")]
+        own = [t.float() - a for t, a in zip(loc, anchors)]
+        ex = DeltaExchange(TorchTransport(), loc, codec=none, bucket_mb=BUCKET_MB, error_feedback=False,
+                           in_place=False, anchors=anchors, own=own, offload=offload)
+        _run(ex, loc)
+        want = [t + o.to(t.dtype) for t, o in zip(loc, own)]  # what FedAvg's apply step does
+        ex.add_own(loc)
+        out[("add_own", offload)] = all(torch.equal(a, b) for a, b in zip(loc, want)) and \
+            not all(torch.equal(a, b) for a, b in zip(loc, _data(rank, "local", torch.bfloat16)))
+
     # 4. a non-finite average is not applied to its bucket
     loc = _data(rank, "local")
     anchors = _data(0, "anchor")
@@ -98,12 +112,14 @@ def _worker(rank: int, world: int) -> dict:
             self.log.append("ar")
             return super()._all_reduce(tensor, op)
 
-    tr = Recording()
-    loc = _data(rank, "local")
-    ex = DeltaExchange(tr, loc, codec=resolve_codec("int8"), bucket_mb=BUCKET_MB, error_feedback=True,
-                       in_place=False, anchors=_data(0, "anchor"))
-    _run(ex, loc)
-    out["order"] = (list(tr.log), ex.bar.num_buckets)
+    for key, offload in (("order", False), ("order offload", True)):
+        tr = Recording()
+        tr.log = []
+        loc = _data(rank, "local")
+        ex = DeltaExchange(tr, loc, codec=resolve_codec("int8"), bucket_mb=BUCKET_MB, error_feedback=True,
+                           in_place=False, anchors=_data(0, "anchor"), offload=offload)
+        _run(ex, loc)
+        out[key] = (list(tr.log), ex.bar.num_buckets)
     return out
 
 
@@ -155,6 +171,11 @@ def test_overlap_correction_with_nesterov_matches_torch_sgd(results):
             torch.testing.assert_close(o["own"][i].double(), disp - own0[i].double(), rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_add_own_is_the_apply_step(results, offload):
+    assert all(r[("add_own", offload)] for r in results)
+
+
 def test_non_finite_bucket_is_not_applied(results):
     for r in results:
         b = r["bad"]
@@ -178,4 +199,9 @@ def test_issue_order_is_the_documented_pipeline_on_every_rank(results):
         want += ["a2a", "ag"]  # issue bucket k, then the middle (all-gather) of bucket k-1
     want += ["ag"]
     assert logs[0] == want, logs[0]
+    assert all(log == logs[0] for log in logs)
+    # offload: single-buffered (one bucket on the device at a time)
+    logs = [r["order offload"][0] for r in results]
+    nb = results[0]["order offload"][1]
+    assert nb >= 3 and logs[0] == ["a2a", "ag"] * nb, logs[0]
     assert all(log == logs[0] for log in logs)

@@ -118,3 +118,150 @@ def test_exchange_completes_without_the_loop_waiting():
         assert r["buckets"] >= 4, r
         assert r["done_without_wait"], r
         assert r["syncs"] == 1
+
+
+# ------------------------------------------------------------------ memory: offload and the cost model
+MEM_BUCKET_MB = 0.125  # 32768 fp32 elements: the model below is 8 buckets
+# name: FedAvg options; the cost model's Plan fields and its residual_dtype / offload
+MEM_MODES: dict[str, dict] = {
+    "paper": {},
+    "none, overlap": {"overlap": True},
+    "nesterov": {"outer": "nesterov"},
+    "int8": {"codec": "int8"},
+    "int8+EF": {"codec": "int8", "error_feedback": True},
+    "int8+EF, bf16 residual": {"codec": "int8", "error_feedback": True, "residual_dtype": "bf16"},
+    "int8+EF, overlap, nesterov": {"codec": "int8", "error_feedback": True, "overlap": True, "outer": "nesterov"},
+    "int8+EF, overlap, nesterov, offload": {"codec": "int8", "error_feedback": True, "overlap": True,
+                                            "outer": "nesterov", "offload": "cpu"},
+}
+# offload against no offload with the offloaded run's bucket size (offload cuts its buckets to fit
+# two on the device): the same bucket layout, so the results must be bit-identical
+OFFLOAD_PAIRS = [
+    {"codec": "int8", "error_feedback": True, "overlap": True, "outer": "nesterov"},
+    {"codec": "int8", "error_feedback": True, "residual_dtype": "bf16"},
+    {"codec": "none", "outer": "nesterov", "overlap": True},
+]
+
+
+def _mem_model():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(4)])  # 1 MiB fp32
+
+
+def _local_steps(model, rank: int, t: int) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * rank + t)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+
+
+def _memory_worker(rank: int, world: int) -> dict:
+    from flcomm.federated.fedavg import FedAvg
+    from flcomm.federated.topology import Topology
+
+    fm = Topology(world, world, group_size=1, shard_size=1).build(hierarchical=False)
+    stats = {}
+    for name, kw in MEM_MODES.items():
+        model = _mem_model()
+        fed = FedAvg(model, fm, sync_every=1, bucket_mb=MEM_BUCKET_MB, **kw)
+        for t in (1, 2, 3):
+            _local_steps(model, rank, t)
+            fed.step()
+        fed.finish()
+        stats[name] = {"mem": fed.memory_stats(), "buckets": fed._exchange.bar.num_buckets,
+                       "world": fed.transport.size}
+    pairs = []
+    for kw in OFFLOAD_PAIRS:
+        out = {}
+        mb = MEM_BUCKET_MB
+        for offload in ("cpu", None):
+            model = _mem_model()
+            fed = FedAvg(model, fm, sync_every=2, bucket_mb=mb, offload=offload, **kw)
+            for t in range(1, 8):
+                _local_steps(model, rank, t)
+                fed.step()
+            fed.finish()
+            sd = fed.state_dict()[f"rank{rank}"]
+            mb = fed._exchange.bar.bucket_numels[0] * 4 / 2**20  # NOTE: exact (a power of two divides)
+            out[offload] = {"params": [p.detach().clone() for p in model.parameters()],
+                            "numels": fed._exchange.bar.bucket_numels, "state": sd, "syncs": fed.num_syncs}
+        pairs.append(out)
+    return {"stats": stats, "pairs": pairs}
+
+
+@pytest.fixture(scope="module")
+def memory_results() -> list[dict]:
+    from tests.dist import run_distributed
+
+    return run_distributed(_memory_worker, 2, timeout=200)
+
+
+@pytest.mark.parametrize("name", list(MEM_MODES))
+def test_memory_stats_match_the_cost_models_shard_copies(memory_results, name):
+    """FedAvg's full-size buffers (memory_stats without staging and flags) are the cost model's
+    fedavg_shard_copies(plan) fp32 shards, up to each bucket's padding (residuals are padded to
+    world * the codec's alignment); with offload they are all in host memory and the device keeps
+    at most two buckets (the cost model's bucket term)."""
+    from flcomm.codecs import get_codec
+    from flcomm.costmodel import Plan, fedavg_shard_copies
+
+    kw = dict(MEM_MODES[name])
+    extra = {k: kw.pop(k) for k in ("residual_dtype", "offload") if k in kw}
+    plan = Plan("fl-fsdp", 1, **kw)
+    for r in memory_results:
+        s = r["stats"][name]
+        m, shard = s["mem"], s["mem"]["shard_fp32"]
+        full = m["anchor"] + m["own"] + m["momentum"] + m["residual"]
+        want = fedavg_shard_copies(plan, residual_dtype=extra.get("residual_dtype", "fp32")) * shard
+        res_bytes = 2 if extra.get("residual_dtype") == "bf16" else 4
+        slack = s["buckets"] * s["world"] * get_codec(kw.get("codec", "none")).align_numel * res_bytes
+        assert want <= full <= want + slack, (name, full / shard, want / shard)
+        on_device = m["device"] - m["flags"] - m["staging"]
+        want_dev = fedavg_shard_copies(plan, **extra) * shard
+        assert want_dev <= on_device <= want_dev + (0 if "offload" in extra else slack), (name, m)
+        assert m["offloaded"] == (full if "offload" in extra else 0)
+        bucket = MEM_BUCKET_MB * 2**20
+        if name == "paper" or "offload" in extra:  # issue 10: at most two buckets on the device
+            assert m["staging"] + m["transient"] <= 2 * bucket, (name, (m["staging"] + m["transient"]) / bucket)
+
+
+@pytest.mark.parametrize("i", range(len(OFFLOAD_PAIRS)))
+def test_offload_is_bit_identical_to_the_same_layout_on_the_device(memory_results, i):
+    import torch
+
+    for r in memory_results:
+        dev, off = r["pairs"][i][None], r["pairs"][i]["cpu"]
+        assert dev["numels"] == off["numels"], (OFFLOAD_PAIRS[i], dev["numels"], off["numels"])
+        assert dev["syncs"] == off["syncs"] == 3
+        for a, b in zip(dev["params"], off["params"]):
+            assert torch.equal(a, b), float((a - b).abs().max())
+        for key in ("anchor",):
+            for n, a in dev["state"][key].items():
+                assert torch.equal(a, off["state"][key][n]), n
+        for a, b in zip(dev["state"]["outer"]["buffers"].values(), off["state"]["outer"]["buffers"].values()):
+            assert torch.equal(a, b)
+        ra, rb = dev["state"]["exchange"], off["state"]["exchange"]
+        assert repr(type(ra)) == repr(type(rb))
+        _assert_tree_equal(ra, rb)
+
+
+def _assert_tree_equal(a, b) -> None:
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_tree_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_tree_equal(x, y)
+    else:
+        assert a == b

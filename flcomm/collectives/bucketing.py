@@ -10,6 +10,20 @@ own dtype), so a change of dtype starts a new bucket. Each bucket is padded to a
 Memory: buckets share ``slots`` (2) staging buffers (and two-hop plans), whatever the number of
 buckets; only the error-feedback residuals (one per bucket) persist at full size.
 
+Offload (``offload=True``: the residuals, and the caller's full-size state, live in host memory):
+the device holds at most two buckets (``2 * bucket_mb``) of exchange buffers, all counted by
+:meth:`BucketedAllReduce.memory_bytes`:
+
+1. the pipeline runs single-buffered (issue, middle and finish of bucket k before bucket k+1), so
+   one slot is used;
+2. that slot's staging buffer, plus one scratch buffer of the same size (:meth:`~BucketedAllReduce.scratch`)
+   through which ``pack`` / ``unpack`` stage their host pieces and the exchange its residual (one
+   bucket's pack, residual and unpack never overlap in time);
+3. the two-hop plan of the codec (and hop 2's error, a temporary, with error feedback);
+4. buckets are cut to the largest size for which 2 + 3 fit in ``2 * bucket_mb``: codec none
+   keeps about ``bucket_mb`` (less the padding), int8 on 2 ranks 57% of it. The wire then
+   carries smaller messages, one at a time: ``bench/memory.py`` reports what that costs.
+
 Pipeline of one exchange (one engine job; ``start()`` returns its :class:`~flcomm.comm.engine.Job`)::
 
     for k in 0 .. B-1:
@@ -81,7 +95,9 @@ class _Slot:
         self.plans: dict[tuple[int, torch.dtype], TwoHopPlan] = {}
         self.work: Work | None = None
         self.plan: TwoHopPlan | None = None
-        self.residual: Tensor | None = None  # offload: the bucket's residual, staged on the device
+        self.residual: Tensor | None = None  # bf16 residuals: the bucket's, staged in fp32
+        self.scratch: Tensor | None = None  # offload: host pieces and the residual, staged
+        self.staged: Tensor | None = None  # the residual's device view while the bucket is exchanged
 
 
 def _clip(segs: list[Segment], lo: int, n: int) -> list[Segment]:
@@ -124,7 +140,9 @@ class BucketedAllReduce:
             bf16 on the wire. Otherwise fp32 (fp64 tensors: fp64, codec ``none`` only).
         engine: the progress engine (default: the process's ``"exchange"`` lane of the device).
         offload: keep the residuals in host memory (pinned on CUDA) and stage each bucket's
-            through the device while it is exchanged.
+            through the device while it is exchanged; the device holds at most two buckets of
+            exchange buffers (module docstring), ``pack`` / ``unpack`` stage their host pieces
+            through :meth:`scratch`.
         residual_dtype: dtype the residuals are kept in (fp32, or bf16 to halve them; staged in
             fp32 while a bucket is exchanged).
         staging: staging slots (:func:`new_staging`) to share with other all-reduces whose
@@ -215,7 +233,7 @@ class BucketedAllReduce:
             if dt != cur:
                 close()
                 cur = dt
-            cap = max(1, int(self.bucket_mb * 2**20) // 4)
+            cap = self._cap(dt)
             off = 0
             while off < n:
                 take = min(n - off, cap - fill)
@@ -232,6 +250,40 @@ class BucketedAllReduce:
                 b.residual = torch.zeros(b.wire, dtype=self.residual_dtype, device=home, pin_memory=pin)
         return buckets
 
+    def _cap(self, dtype: torch.dtype) -> int:
+        """Elements per bucket: ``bucket_mb`` of fp32; with offload the largest bucket whose
+        device buffers fit in two buckets (module docstring, step 4)."""
+        cap = max(1, int(self.bucket_mb * 2**20) // 4)
+        budget = 2 * int(self.bucket_mb * 2**20)
+        if not self.offload or self._device_bytes(cap, dtype) <= budget:
+            return cap
+        if self._device_bytes(1, dtype) > budget:
+            return cap  # NOTE: a tiny bucket is all padding (the codec's alignment): none fits
+        lo, hi = 1, cap  # NOTE: the bytes grow with the size: the largest that fits, by bisection
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._device_bytes(mid, dtype) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _device_bytes(self, fill: int, dtype: torch.dtype) -> int:
+        """Device bytes an offloaded exchange of one bucket of ``fill`` elements needs: staging
+        buffer and scratch, two-hop plan (send, receive, accumulator) and hop 2's error. The same
+        sizes as :meth:`_layout`, :meth:`_slot_flat`, :meth:`scratch` and ``TwoHopPlan``;
+        :meth:`memory_bytes` measures the real ones."""
+        world, R = self.transport.size, self.replicas
+        per = -(-fill // R)
+        wire = chunk_numel(per, world, self.codec) * world if world > 1 else per
+        nbytes = 2 * wire * R * torch.empty((), dtype=dtype).element_size()
+        if not self.codec.lossless and world > 1:
+            c = wire // world
+            nbytes += 2 * world * self.codec.encoded_nbytes(c) + 4 * c
+            if self.error_feedback:
+                nbytes += 4 * c
+        return nbytes
+
     @property
     def num_buckets(self) -> int:
         return len(self._buckets)
@@ -246,16 +298,23 @@ class BucketedAllReduce:
         return [list(b.segments) for b in self._buckets]
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes held: ``staging`` (slot buffers and two-hop plans) and ``residual``."""
+        """Bytes held: ``staging`` (on the device: the slots' buffers, the offload scratch, staged
+        residuals and two-hop plans; the staging pool's, shared with the all-reduces that share
+        it), ``residual`` (the error-feedback residuals, in host memory with offload), and
+        ``transient``: the largest temporary an exchange allocates on the device besides those
+        (hop 2's error with error feedback and a lossy codec: one chunk of fp32)."""
         staging = 0
         for s in self._slots:
-            for t in (s.flat, s.residual):
+            for t in (s.flat, s.residual, s.scratch):
                 if t is not None:
                     staging += t.numel() * t.element_size()
             for p in s.plans.values():
                 staging += p.nbytes()
         res = sum(b.residual.numel() * b.residual.element_size() for b in self._buckets if b.residual is not None)
-        return {"staging": staging, "residual": res}
+        lossy = not self.codec.lossless and self.transport.size > 1
+        transient = max((4 * b.wire // self.transport.size for b in self._buckets), default=0)
+        return {"staging": staging, "residual": res,
+                "transient": transient if lossy and self.error_feedback else 0}
 
     def _check(self, tensors: list[Tensor], what: str) -> None:
         dev = None
@@ -314,8 +373,16 @@ class BucketedAllReduce:
                 t.copy_(b)
 
     def run_pipeline(self, job: Job, pack: PackFn, unpack: PackFn) -> None:
-        """The pipeline of the module docstring, on the calling thread (the engine's)."""
+        """The pipeline of the module docstring, on the calling thread (the engine's);
+        single-buffered with offload."""
         nb = len(self._buckets)
+        if self.offload:
+            # NOTE: one bucket at a time: its pack, residual and unpack share the one scratch
+            for k in range(nb):
+                self._issue(job, k, pack)
+                self._middle(job, k)
+                self._finish(job, k, unpack)
+            return
         for k in range(nb):
             if k >= 2:
                 self._finish(job, k - 2, unpack)
@@ -327,11 +394,31 @@ class BucketedAllReduce:
         for k in range(max(0, nb - 2), nb):
             self._finish(job, k, unpack)
 
+    def _slot(self, k: int) -> _Slot:
+        return self._slots[0 if self.offload else k % 2]
+
+    def scratch(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """Offload: a device buffer of ``numel`` elements of ``dtype`` (at most a bucket's), for
+        staging host pieces at their segments' offsets. It is free outside a bucket's pack and
+        unpack (the pipeline is single-buffered and the bucket's residual is back home by then)
+        and once the exchange's job was waited."""
+        if not self.offload:
+            raise RuntimeError("scratch() is for offloaded exchanges (offload=True)")
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        return self._grow(self._slots[0], "scratch", nbytes)[:nbytes].view(dtype)
+
+    def _grow(self, slot: _Slot, attr: str, nbytes: int) -> Tensor:
+        """The slot's byte buffer ``attr``, grown to at least ``nbytes``."""
+        buf = getattr(slot, attr)
+        if buf is None or buf.numel() < nbytes:
+            setattr(slot, attr, None)  # NOTE: free the old one first (the device may hold no more)
+            buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+            setattr(slot, attr, buf)
+        return buf
+
     def _slot_flat(self, slot: _Slot, b: _Bucket) -> Tensor:
         nbytes = b.padded * torch.empty((), dtype=b.dtype).element_size()
-        if slot.flat is None or slot.flat.numel() < nbytes:
-            slot.flat = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-        flat = slot.flat[:nbytes].view(b.dtype)
+        flat = self._grow(slot, "flat", nbytes)[:nbytes].view(b.dtype)
         if b.padded > b.numel:
             flat[b.numel:].zero_()
         return flat
@@ -344,7 +431,7 @@ class BucketedAllReduce:
         return flat[lo: lo + b.wire]
 
     def _issue(self, job: Job, k: int, pack: PackFn) -> None:
-        b, slot = self._buckets[k], self._slots[k % 2]
+        b, slot = self._buckets[k], self._slot(k)
         job.stage = f"bucket {k}/{len(self._buckets)}: pack, encode, hop 1"
         flat = self._mine(self._slot_flat(slot, b), b)
         if b.mine is None:
@@ -359,34 +446,42 @@ class BucketedAllReduce:
             return
         key = (b.wire, b.dtype)
         if key not in slot.plans:
+            if self.offload:
+                slot.plans.clear()  # NOTE: one plan on the device (the last bucket may be smaller)
             slot.plans[key] = TwoHopPlan(self.transport, b.wire, self.codec, self.op, self.device)
         slot.plan = slot.plans[key]
         slot.plan.first(flat, res)
 
     def _stage_residual(self, slot: _Slot, b: _Bucket) -> Tensor | None:
-        """The bucket's fp32 residual on the device (offload or bf16: staged in the slot)."""
-        if b.residual is None or (b.residual.device == self.device and b.residual.dtype == torch.float32):
+        """The bucket's fp32 residual on the device: itself, or staged (offload: in the scratch,
+        free between the pack and the unpack; a bf16 residual: in the slot's fp32 buffer)."""
+        slot.staged = None
+        if b.residual is None or (not self.offload and b.residual.dtype == torch.float32):
             return b.residual
-        if slot.residual is None or slot.residual.numel() < b.wire:
-            slot.residual = torch.empty(b.wire, dtype=torch.float32, device=self.device)
-        dev = slot.residual[: b.wire]
-        dev.copy_(b.residual, non_blocking=True)
-        return dev
+        if self.offload:
+            buf = self._grow(slot, "scratch", 4 * b.wire)[: 4 * b.wire].view(torch.float32)
+        else:
+            buf = self._grow(slot, "residual", 4 * b.wire)[: 4 * b.wire].view(torch.float32)
+        slot.staged = buf[: b.wire]
+        slot.staged.copy_(b.residual, non_blocking=True)
+        return slot.staged
 
     def _unstage_residual(self, slot: _Slot, b: _Bucket) -> None:
-        # NOTE: the residual is final once the reduced chunk was re-encoded (hop 2 issued)
-        if b.residual is not None and slot.residual is not None and b.residual is not slot.residual:
-            b.residual.copy_(slot.residual[: b.wire])
+        # NOTE: the residual is final once the reduced chunk was re-encoded (hop 2 issued);
+        # a blocking copy to host memory, so the scratch is free for the unpack
+        if slot.staged is not None:
+            b.residual.copy_(slot.staged)
+            slot.staged = None
 
     def _middle(self, job: Job, k: int) -> None:
-        slot = self._slots[k % 2]
+        slot = self._slot(k)
         if slot.plan is not None:
             job.stage = f"bucket {k}/{len(self._buckets)}: reduce, re-encode, hop 2"
             slot.plan.second()
             self._unstage_residual(slot, self._buckets[k])
 
     def _finish(self, job: Job, k: int, unpack: PackFn) -> None:
-        b, slot = self._buckets[k], self._slots[k % 2]
+        b, slot = self._buckets[k], self._slot(k)
         job.stage = f"bucket {k}/{len(self._buckets)}: wait, decode, unpack"
         flat = slot.flat[: b.padded * torch.empty((), dtype=b.dtype).element_size()].view(b.dtype)
         try:

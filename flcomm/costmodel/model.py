@@ -395,19 +395,25 @@ def _resolve(plan: Plan, cluster: Cluster) -> tuple[int, int]:
     return topo.group_size, topo.shard_size
 
 
-def fedavg_shard_copies(plan: Plan) -> float:
-    """Full-size fp32 copies of a rank's shard that FedAvg keeps for ``plan`` (besides two
-    buckets): none in the paper's mode (codec none, outer avg, no overlap, no error feedback:
-    averaged in place, bucket by bucket); otherwise the anchor, plus the error-feedback residual,
-    the outer momentum (nesterov) and the own delta (overlap) where the plan has them. This is
-    the accounting of :meth:`flcomm.federated.fedavg.FedAvg.memory_stats` (``bench/memory.py``
-    measures it)."""
-    if not plan.strategy.federated:
+def fedavg_shard_copies(plan: Plan, *, residual_dtype: str = "fp32", offload: str | None = None) -> float:
+    """Full-size fp32 copies of a rank's shard that FedAvg keeps on the device for ``plan``
+    (besides its buckets): none in the paper's mode (codec none, outer avg, no overlap, no error
+    feedback: averaged in place, bucket by bucket); otherwise the anchor, plus the error-feedback
+    residual (half a copy with ``residual_dtype="bf16"``), the outer momentum (nesterov) and the
+    own delta (overlap) where the plan has them; none with ``offload="cpu"`` (all in host
+    memory). This is the accounting of :meth:`flcomm.federated.fedavg.FedAvg.memory_stats`
+    (``tests/test_fedavg_engine.py`` ties the two; ``bench/memory.py`` measures it)."""
+    if residual_dtype not in ("fp32", "bf16"):
+        raise ValueError(f"residual_dtype must be 'fp32' or 'bf16', got {residual_dtype!r}")
+    if offload not in (None, "cpu"):
+        raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+    if not plan.strategy.federated or offload is not None:
         return 0.0
     nesterov = plan.outer == "nesterov"
     if plan.codec == "none" and not (nesterov or plan.overlap or plan.error_feedback):
         return 0.0
-    return 1.0 + plan.error_feedback + nesterov + plan.overlap
+    residual = (0.5 if residual_dtype == "bf16" else 1.0) * plan.error_feedback
+    return 1.0 + residual + nesterov + plan.overlap
 
 
 def memory_per_rank(workload: Workload, plan: Plan, shard_size: int) -> dict[str, float]:

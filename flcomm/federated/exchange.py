@@ -26,8 +26,11 @@ bucket. Inter-group bytes per rank drop by R; the all-gather adds (R-1)/R of the
 the group.
 
 Offload: the anchors, own deltas, momentum and residuals may live in host memory (pinned on
-CUDA); each bucket's pieces are then staged through the device while it is packed or applied,
-so the device holds two buckets beyond the model.
+CUDA); each bucket's pieces are then staged, one at a time, through the one device scratch
+bucket of the offloaded pipeline (:meth:`BucketedAllReduce.scratch`, at the segment's offset;
+also on CPU, where host and device are one memory, so the same path runs in the tests). With
+the bucket's staging buffer and the codec's plan the device holds at most two buckets beyond
+the model (:mod:`flcomm.collectives.bucketing`).
 """
 
 from __future__ import annotations
@@ -108,6 +111,9 @@ class DeltaExchange:
             buffers and non-parameters take the plain average).
         replicate: the replicas' private group (:func:`replicate_transport`): exchange one slice
             per replica and all-gather (module docstring); None exchanges everything.
+        offload: the anchors, own deltas, momentum and residuals live in host memory and are
+            staged through the device (module docstring); nothing to offload in place.
+        residual_dtype, staging: of the :class:`BucketedAllReduce`.
     """
 
     def __init__(self, transport: "Transport", tensors: list[Tensor], *, codec: Codec, bucket_mb: float,
@@ -116,14 +122,16 @@ class DeltaExchange:
                  momentum_index: list[int | None] | None = None, offload: bool = False,
                  residual_dtype: torch.dtype = torch.float32, staging: list | None = None,
                  replicate: "Transport | None" = None) -> None:
-        self.codec, self.in_place = codec, in_place
+        # NOTE: the in-place mode keeps nothing at full size: nothing to offload, so it keeps
+        # the double-buffered pipeline
+        self.codec, self.in_place, self.offload = codec, in_place, bool(offload) and not in_place
         self.anchors, self.own, self.outer = anchors, own, outer
         self.momentum_index = momentum_index or [None] * len(tensors)
         if not in_place and anchors is None:
             raise ValueError("the delta modes need the anchors")
         self.bar = BucketedAllReduce(transport, tensors, codec=codec, bucket_mb=bucket_mb,
                                      error_feedback=error_feedback, op="avg", keep_dtype=in_place,
-                                     offload=offload, residual_dtype=residual_dtype, staging=staging,
+                                     offload=self.offload, residual_dtype=residual_dtype, staging=staging,
                                      replicate=replicate)
 
     @property
@@ -139,7 +147,10 @@ class DeltaExchange:
         def unpack(segs: list[Segment], flat: Tensor) -> None:
             k = bucket[0]
             bucket[0] += 1
-            if not bool(torch.isfinite(flat).all()):
+            # NOTE: min and max propagate NaN and show +-Inf: no bucket-sized bool temporary, so
+            # an offloaded exchange stays within its two buckets on the device
+            lo, hi = torch.aminmax(flat)
+            if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
                 result.bad_buckets.append(k)
                 return
             self._unpack(segs, flat, locals_)
@@ -151,25 +162,32 @@ class DeltaExchange:
     def _piece(t: Tensor, s: Segment) -> Tensor:
         return t.view(-1)[s.tensor_offset: s.tensor_offset + s.length]
 
-    @staticmethod
-    def _on(piece: Tensor, device: torch.device) -> Tensor:
-        """``piece`` on ``device`` (a staged copy when it lives elsewhere: offload)."""
-        return piece if piece.device == device else piece.to(device, non_blocking=True)
+    def _stage(self, home: Tensor, s: Segment, flat: Tensor) -> Tensor:
+        """Segment ``s``'s piece of ``home`` on the device: the piece itself, or with offload a
+        copy in the scratch bucket (free again once :meth:`_back` returned)."""
+        piece = self._piece(home, s)
+        if not self.offload:
+            return piece
+        dev = self.bar.scratch(flat.numel(), flat.dtype)[s.bucket_offset: s.bucket_offset + s.length]
+        # NOTE: non-blocking from pinned memory: the host writes this piece only by _back's
+        # blocking copy, which the stream orders after this one
+        dev.copy_(piece, non_blocking=True)
+        return dev
 
     @staticmethod
     def _back(home: Tensor, staged: Tensor) -> None:
         if staged is not home:
-            home.copy_(staged)
+            home.copy_(staged)  # NOTE: blocking: the scratch is reused by the next piece
 
     def _pack(self, segs: list[Segment], flat: Tensor, locals_: list[Tensor]) -> None:
         for s in segs:
             out = flat[s.bucket_offset: s.bucket_offset + s.length]
             if self.own is not None:
-                out.copy_(self._piece(self.own[s.index], s))
+                out.copy_(self._piece(self.own[s.index], s), non_blocking=True)
                 continue
             out.copy_(self._piece(locals_[s.index], s))
             if not self.in_place:
-                out.sub_(self._on(self._piece(self.anchors[s.index], s), out.device))
+                out.sub_(self._stage(self.anchors[s.index], s, flat))
 
     def _unpack(self, segs: list[Segment], flat: Tensor, locals_: list[Tensor]) -> None:
         for s in segs:
@@ -178,25 +196,43 @@ class DeltaExchange:
             if self.in_place:
                 local.copy_(mean)
                 continue
-            dev = mean.device
             m = self.momentum_index[s.index]
-            disp = mean
+            disp = mean  # NOTE: the outer update works in place in the bucket
             if m is not None:
-                home = self._piece(self.outer.buffers[m], s)
-                buf = self._on(home, dev)
+                buf = self._stage(self.outer.buffers[m], s, flat)
                 disp = self.outer.piece_(mean, buf)
-                self._back(home, buf)
-            home = self._piece(self.anchors[s.index], s)
-            anchor = self._on(home, dev)
+                self._back(self._piece(self.outer.buffers[m], s), buf)
+            anchor = self._stage(self.anchors[s.index], s, flat)
             anchor.add_(disp)
-            self._back(home, anchor)
             if self.own is None:
                 local.copy_(anchor)
-            else:
-                home = self._piece(self.own[s.index], s)
-                own = self._on(home, dev)
+            self._back(self._piece(self.anchors[s.index], s), anchor)
+            if self.own is not None:
+                own = self._stage(self.own[s.index], s, flat)
                 own.neg_().add_(disp)
-                self._back(home, own)
+                self._back(self._piece(self.own[s.index], s), own)
+
+    @torch.no_grad()
+    def add_own(self, locals_: list[Tensor]) -> None:
+        """The apply step of overlap, ``local += own`` (``own``: the correction the unpack left,
+        rounded to the local's dtype first), piece by piece along the buckets, so no full-size
+        copy reaches the device; with offload each piece passes through the scratch (converted
+        on the host). Call on the training loop's stream once the exchange's job was waited (the
+        scratch is free then, and that stream is ordered after the job)."""
+        if self.own is None:
+            raise RuntimeError("add_own() needs the own deltas (overlap)")
+        for segs in self.bar.layout():
+            for s in segs:
+                local, own = self._piece(locals_[s.index], s), self._piece(self.own[s.index], s)
+                if self.offload:
+                    buf = self.bar.scratch(s.bucket_offset + s.length, local.dtype)
+                    if buf.is_cuda:
+                        buf.record_stream(torch.cuda.current_stream(buf.device))  # NOTE: used off the engine's stream
+                    dev = buf[s.bucket_offset:]
+                    dev.copy_(own, non_blocking=True)  # NOTE: own is rewritten only after a sync of this stream
+                    local.add_(dev)
+                else:
+                    local.add_(own if own.dtype == local.dtype else own.to(local.dtype))
 
     # ---- state ----
     def state_dict(self) -> dict:

@@ -414,15 +414,18 @@ class FedAvg:
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this FedAvg holds, per buffer kind (``anchor``, ``own``, ``momentum``,
-        ``residual``, ``staging``: bucket buffers and two-hop plans, ``flags``), their ``total``,
-        ``offloaded`` (the part of the total in host memory with ``offload``), and ``shard_fp32``:
-        the bytes of this rank's averaged tensors in fp32 (the unit of the memory targets). On
-        CUDA also ``device_peak`` (torch's peak allocation)."""
+        ``residual``, ``staging``: the exchange's device pool of bucket buffers, offload scratch
+        and two-hop plans, ``flags``), their ``total``, ``offloaded`` (the part of the total in
+        host memory with ``offload``), ``device`` (the rest: on the device), ``transient`` (the
+        largest temporary an exchange adds on the device, :meth:`BucketedAllReduce.memory_bytes`)
+        and ``shard_fp32``: the bytes of this rank's averaged tensors in fp32 (the unit of the
+        memory targets). On CUDA also ``device_peak`` (torch's peak allocation)."""
 
         def nbytes(ts: list[Tensor] | None) -> int:
             return sum(t.numel() * t.element_size() for t in ts or [])
 
         out = {"anchor": 0, "own": 0, "momentum": 0, "residual": 0, "staging": 0, "flags": 0}
+        transient = 0
         if self.federated:
             out["anchor"] = nbytes(self._anchor)
             out["own"] = nbytes(self._own)
@@ -433,8 +436,11 @@ class FedAvg:
                 mem = ex.memory_bytes()
                 out["residual"] += mem["residual"]
                 out["staging"] += mem["staging"] if i == 0 else 0  # NOTE: one shared pool
+                transient = max(transient, mem["transient"])
         out["total"] = sum(out.values())
         out["offloaded"] = 0 if not self.offload or not self.federated else out["total"] - out["staging"] - out["flags"]
+        out["device"] = out["total"] - out["offloaded"]
+        out["transient"] = transient
         out["shard_fp32"] = sum(s.local.numel() * 4 for s in self.slots)
         if self.federated and self.device.type == "cuda":
             out["device_peak"] = int(torch.cuda.max_memory_allocated(self.device))
