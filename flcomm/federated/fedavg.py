@@ -729,8 +729,10 @@ class FedAvg:
         if locals_:
             # NOTE: tensor ops, no device sync here; the anchor is finite (a refused average is
             # never applied), so the delta is finite exactly when the local shard is
-            bad = torch.stack([~torch.isfinite(t).all() for t in locals_.values()]).any()
-            fr.flags[self._fed_index] = bad.to(torch.int32)
+            # NOTE: min and max propagate NaN and show Inf, without a shard-sized bool temporary
+            ext = [torch.stack(torch.aminmax(t)).float() for t in locals_.values() if t.numel()]
+            if ext:
+                fr.flags[self._fed_index] = (~torch.isfinite(torch.cat(ext))).any().to(torch.int32)
         if self._own is not None:
             for i, t in locals_.items():
                 self._own[i].copy_(t)
@@ -797,10 +799,9 @@ class FedAvg:
             if fr.exchange is not None:
                 fr.exchange.sanitize()
             self._refuse(wf, fr)
-        if self._own is not None:
-            for i in fr.slots:
-                t, o = self.slots[i].local, self._own[i]
-                t.add_(o.to(t.device, t.dtype) if (t.dtype, t.device) != (o.dtype, o.device) else o)
+        if self._own is not None and fr.exchange is not None:
+            # NOTE: piece by piece along the buckets: no full-size copy of an offloaded own delta
+            fr.exchange.add_own([self.slots[i].local for i in fr.xidx])
         self.num_syncs += 1
 
     def _record_event(self) -> Any:
