@@ -19,8 +19,9 @@ in the last line must be 0.
 
 Elastic rows (``--elastic``, flcomm.federated.elastic): 8 ranks as 4 federation groups x 2,
 FedAvg every 4 steps, rank 3 (group 1) killed in the forward pass of step 5 or entering the
-exchange of step 8, and once with ``--rejoin`` (the launcher restarts group 1, which rejoins at
-the survivors' next sync). Columns: the groups lost and rejoined, the grace, the membership
+exchange of step 8, once with ``--rejoin`` (the launcher restarts group 1, which rejoins at
+the survivors' next sync), and frozen (SIGSTOP) in the forward pass with a 10 s collective
+timeout (its group's other rank times out, then the survivors notice). Columns: the groups lost and rejoined, the grace, the membership
 round's seconds, seconds from the fault until the survivors finished the step of that round,
 the bound (grace + 10 s), the tokens the lost group trained since its last committed round (at
 most one round), all tokens, the final groups, and whether the rejoined group's final
@@ -298,20 +299,22 @@ def group_params_equal(ckpt_root: str, groups: list[int]) -> bool:
 
 
 def run_elastic_fault(phase: str, workdir: str, grace_s: float = 3.0, rejoin: bool = False,
-                      steps: int = 12, wall_s: float = 300.0, extra: tuple[str, ...] = ()) -> ElasticResult:
-    """Kill rank 3 of 8 (federation group 1 of 4) when it enters ``phase`` (a key of
-    ELASTIC_PHASES), under ``--elastic`` (and ``--rejoin``: the launcher restarts group 1);
-    ``extra``: more flags of the run."""
+                      steps: int = 12, wall_s: float = 300.0, extra: tuple[str, ...] = (),
+                      action: str = "kill", timeout_s: float = 20.0) -> ElasticResult:
+    """Kill (or freeze: ``action``) rank 3 of 8 (federation group 1 of 4) when it enters
+    ``phase`` (a key of ELASTIC_PHASES), under ``--elastic`` (and ``--rejoin``: the launcher
+    restarts group 1); ``extra``: more flags of the run. A frozen rank's peers notice it after
+    the collective timeout ``timeout_s``, which the bound then includes."""
     from flcomm.train.metrics import read_metrics
     from flcomm.train.monitor import read_heartbeat
 
     step, mphase = ELASTIC_PHASES[phase]
-    res = ElasticResult(f"elastic kill {phase}" + (" + rejoin" if rejoin else ""), grace_s=grace_s,
+    res = ElasticResult(f"elastic {action} {phase}" + (" + rejoin" if rejoin else ""), grace_s=grace_s,
                         bound_s=grace_s + 10.0)
     log_dir, ckpt_dir, metrics = (os.path.join(workdir, n) for n in ("log", "ckpt", "m.jsonl"))
-    args = (elastic_args(grace_s, steps, ckpt_dir, metrics) + ["--log-dir", log_dir] + (["--rejoin"] if rejoin else [])
-            + list(extra))
-    env = _env(FLCOMM_FAULT=f"{ELASTIC_RANK}:{step}:{mphase}:kill")
+    args = (elastic_args(grace_s, steps, ckpt_dir, metrics, timeout_s) + ["--log-dir", log_dir]
+            + (["--rejoin"] if rejoin else []) + list(extra))
+    env = _env(FLCOMM_FAULT=f"{ELASTIC_RANK}:{step}:{mphase}:{action}")
     err_path = os.path.join(workdir, "stderr.txt")
     t_fault = None
     with open(err_path, "w") as err:
@@ -423,9 +426,11 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(rows))
     erows = []
     if args.elastic or (args.elastic is None and not args.quick):
-        for phase, rejoin in (("forward", False), ("fedavg", False), ("forward", True)):
+        for phase, rejoin, action in (("forward", False, "kill"), ("fedavg", False, "kill"), ("forward", True, "kill"),
+                                      ("forward", False, "freeze")):
             with tempfile.TemporaryDirectory(prefix="flcomm-elastic-") as d:
-                e = run_elastic_fault(phase, d, args.grace_s, rejoin, steps=24 if rejoin else 12)
+                e = run_elastic_fault(phase, d, args.grace_s, rejoin, steps=24 if rejoin else 12, action=action,
+                                      timeout_s=10.0 if action == "freeze" else 20.0)
             erows.append(e)
             print(f"{e.case}: rc {e.rc}, lost {e.lost}, membership {e.membership_s or 0:.1f} s",
                   file=sys.stderr, flush=True)

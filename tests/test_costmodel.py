@@ -112,11 +112,12 @@ def test_fl_hsdp_and_units_and_overlap_formula():
 def test_sharded_fl_hsdp_exchange_formula():
     """FL+HSDP, F = 2 groups of R = 2 replicas x S = 2 shards on 4 nodes x 2: each replica
     all-reduces half of the N / S shard over the groups, then the replicas all-gather the
-    averaged fp32 shard: inter-group bytes / R, plus (R-1)/R of the shard inside the group."""
+    averaged halves as encoded: inter-group bytes / R, plus (R-1)/R of the encoded shard inside
+    the group."""
     c = cluster(nodes=4)
     enc = codec_nbytes("bf16", 250_000)                    # half of the 500k-element shard
     ar = 2 * AE + 2 * 1.0 * enc / BE                        # F = 2, two groups share each NIC
-    ag = AE + 2 * 0.5 * 2_000_000 / BE                      # R = 2 at stride 2, fp32 shard
+    ag = AE + 2 * 0.5 * (2 * enc) / BE                      # R = 2 at stride 2, the encoded shard
     plan = Plan("fl-hsdp", group_size=4, shard_size=2, sync_every=2, codec="bf16")
     p = predict(c, workload(), plan)
     assert p.fed_comm_s == pytest.approx(ar + ag, rel=1e-12)
@@ -124,7 +125,8 @@ def test_sharded_fl_hsdp_exchange_formula():
                                         sharded_exchange=False))
     assert p.intergroup_bytes_per_step == pytest.approx(enc / 2)
     assert plain.intergroup_bytes_per_step == pytest.approx(2 * p.intergroup_bytes_per_step)
-    assert p.internode_bytes_per_step - plain.internode_bytes_per_step == pytest.approx(1_000_000 / 2)
+    # (R-1)/R of the encoded shard (2 enc), once every E = 2 steps
+    assert p.internode_bytes_per_step - plain.internode_bytes_per_step == pytest.approx(0.5 * 2 * enc / 2)
 
 
 def test_fragments_move_a_kth_every_e_over_k_steps():

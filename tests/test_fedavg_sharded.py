@@ -5,7 +5,8 @@ private replicate group.
 * The exchange alone (DeltaExchange): the average equals the mean of every rank's regenerated
   inputs and the unsharded exchange; inter-group bytes per rank are exactly 2(F-1)/(F R) of the
   shard's encoded bytes (unsharded: 2(F-1)/F, so R times more), and the replicate all-gather
-  adds exactly (R-1)/R of the shard (fp32) on the intra-group tier; the error-feedback residual
+  adds exactly (R-1)/R of the shard's encoded bytes (fp32 for codec none) on the intra-group
+  tier; the error-feedback residual
   is the slice's, and its state refuses to load into an unsharded layout.
 * FedAvg (FSDP2 on the ("replicate", "shard") mesh) matches the single-process simulation of
   tests/fedavg_sim.py for codec none in the paper's mode, with many buckets, error feedback,
@@ -80,7 +81,8 @@ def _exchange_worker(rank: int, world: int) -> dict:
             "intra": (plain_bytes["intra_node"]["bytes"], shard_bytes["intra_node"]["bytes"]),
             # the formulas of the issue, independent of the bucket layout
             "want_inter": (2 * (F - 1) * enc // F, 2 * (F - 1) * enc // (F * R)),
-            "want_intra": (0, (R - 1) * 4 * N // R),
+            # the replicas gather the averaged slices as encoded (fp32 for codec none)
+            "want_intra": (0, (R - 1) * enc // R),
             "loc": (plain_loc, shard_loc),
             "wire": [r.numel() if r is not None else 0 for r in shard.bar.residuals()],
         }

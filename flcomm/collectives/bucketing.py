@@ -38,7 +38,9 @@ Sharded across replicas (``replicate``, R ranks holding the same tensors, FL+HSD
 padded to R equal slices (each a multiple of ``world * align``); replica r packs and reduces only
 slice r over ``transport`` (its error-feedback residual is the slice's), and the finish step
 all-gathers the R reduced slices over ``replicate`` before the unpack sees the whole bucket. The
-reducing transport then carries 1/R of the bytes; the all-gather adds (R-1)/R of the bucket.
+reducing transport then carries 1/R of the bytes; the all-gather adds (R-1)/R of the bucket, in
+the codec's encoding when the reduction was lossy (the replicas gather what hop 2 gathered and
+decode it themselves, bit for bit what its owner decoded), in the bucket's dtype otherwise.
 ``pack(segments, flat)`` / ``unpack(segments, flat)`` may replace the default copies (FedAvg
 computes its deltas and applies its outer update there, bucket by bucket).
 
@@ -97,6 +99,7 @@ class _Slot:
         self.plan: TwoHopPlan | None = None
         self.residual: Tensor | None = None  # bf16 residuals: the bucket's, staged in fp32
         self.scratch: Tensor | None = None  # offload: host pieces and the residual, staged
+        self.gather: Tensor | None = None  # sharded, lossy codec: the replicas' encoded slices
         self.staged: Tensor | None = None  # the residual's device view while the bucket is exchanged
 
 
@@ -305,7 +308,7 @@ class BucketedAllReduce:
         (hop 2's error with error feedback and a lossy codec: one chunk of fp32)."""
         staging = 0
         for s in self._slots:
-            for t in (s.flat, s.residual, s.scratch):
+            for t in (s.flat, s.residual, s.scratch, s.gather):
                 if t is not None:
                     staging += t.numel() * t.element_size()
             for p in s.plans.values():
@@ -491,8 +494,11 @@ class BucketedAllReduce:
                 slot.work.wait()
             if b.mine is not None:
                 job.stage = f"bucket {k}/{len(self._buckets)}: all-gather of the {self.replicas} replicas' slices"
-                # NOTE: in place (the input is this rank's slice of the output), as FSDP gathers
-                self.replicate.all_gather(flat, self._mine(flat, b))
+                if slot.plan is not None:
+                    self._gather_encoded(slot, b, flat)
+                else:
+                    # NOTE: in place (the input is this rank's slice of the output), as FSDP gathers
+                    self.replicate.all_gather(flat, self._mine(flat, b))
         except BaseException:
             for s in self._slots:
                 if s.plan is not None:
@@ -501,6 +507,19 @@ class BucketedAllReduce:
             raise
         slot.work = None
         unpack(b.segments, flat[: b.numel])
+
+    def _gather_encoded(self, slot: _Slot, b: _Bucket, flat: Tensor) -> None:
+        """Sharded with a lossy codec: the replicas all-gather their slices' averages in the
+        codec's encoding (what hop 2 gathered, a quarter of fp32 with int8) and decode the
+        others' (:meth:`TwoHopPlan.decode`: bit for bit what their owners decoded)."""
+        plan = slot.plan
+        assert plan is not None and self.replicate is not None
+        n = plan.world * plan.enc
+        buf = self._grow(slot, "gather", self.replicas * n)[: self.replicas * n]
+        self.replicate.all_gather(buf, plan.gathered[:n])
+        for q in range(self.replicas):
+            if q != self.replicate.rank:
+                plan.decode(buf[q * n: (q + 1) * n], flat[q * b.wire: (q + 1) * b.wire])
 
     # ---- error-feedback state ----
     def residuals(self) -> list[Tensor | None]:

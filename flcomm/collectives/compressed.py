@@ -185,6 +185,24 @@ class TwoHopPlan:
         self.flat = self.residual = self.work_x = self.work_r = None  # type: ignore[assignment]
         self._state = "idle"
 
+    def decode(self, encoded: Tensor, out: Tensor) -> None:
+        """Decode a result as hop 2's all-gather leaves it (``world`` encoded chunks, e.g. another
+        replica's :attr:`gathered`) into ``out`` (``numel`` elements): bit for bit what that
+        plan's :meth:`third` wrote."""
+        if self._state != "idle":
+            raise RuntimeError(f"decode() needs an idle plan, state is {self._state}")
+        if encoded.numel() != self.world * self.enc:
+            raise ValueError(f"encoded must hold {self.world} chunks of {self.enc} bytes, got {encoded.numel()} bytes")
+        work = out
+        if self.padded_numel != self.numel:
+            if self._pad_x is None:
+                self._pad_x = torch.zeros(self.padded_numel, dtype=torch.float32, device=out.device)
+            work = self._pad_x
+        for j in range(self.world):
+            self.codec.decode(self._slot(encoded, j), self.chunk, self._chunk(work, j))
+        if work is not out:
+            out.copy_(work[: self.numel])
+
     def abort(self) -> None:
         self._state = "idle"
 

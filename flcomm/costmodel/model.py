@@ -442,7 +442,8 @@ def _exchange(cluster: Cluster, plan: Plan, N: float, G: int, S: int, F: int, R:
 
     Plain: the codec's encoding of the fragment, all-reduced over the F groups (stride G).
     Sharded (FL+HSDP, R > 1): each replica all-reduces 1/R of it over the groups, then the R
-    replicas (stride S, inside the group) all-gather the averaged fp32 fragment.
+    replicas (stride S, inside the group) all-gather the averaged fragment: in the codec's
+    encoding when it is lossy and F > 1, in fp32 otherwise.
     """
     K, E = plan.fragments, plan.sync_every
     sharded = R > 1 and plan.sharded_exchange is not False
@@ -453,7 +454,9 @@ def _exchange(cluster: Cluster, plan: Plan, N: float, G: int, S: int, F: int, R:
     # NOTE: the exchange is tagged inter-group whatever links it crosses, as FedMesh does.
     _add(per_step, {LinkTier.INTER_GROUP.value: sum(b.values())}, K / E)
     if sharded:
-        t2, b2 = collective_time("all_gather", 4 * numel, R, cluster, stride=S, hierarchical=plan.hierarchical)
+        lossy = F > 1 and not get_codec(plan.codec).lossless
+        gathered = R * enc if lossy else 4 * numel
+        t2, b2 = collective_time("all_gather", gathered, R, cluster, stride=S, hierarchical=plan.hierarchical)
         t += t2
         _add(per_step, b2, K / E)
     return t
