@@ -169,6 +169,11 @@ class Federation:
         return self.membership.groups
 
     @property
+    def joined(self) -> bool:
+        """This rank has a generation's transport (a rejoining rank only once admitted)."""
+        return self._transport is not None
+
+    @property
     def transport(self) -> ProcessGroupTransport:
         """The current generation's transport over this rank's fed peers in the live groups."""
         if self._transport is None:

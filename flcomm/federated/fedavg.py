@@ -276,7 +276,8 @@ class FedAvg:
         mesh = self.mesh
         if self.federation is not None:
             self.fed_ranks: list[int] = self.federation.fed_ranks
-            self.transport = self.federation._transport  # NOTE: None until a rejoining group is admitted
+            # NOTE: none until a rejoining group is admitted (rejoin())
+            self.transport = self.federation.transport if self.federation.joined else None
         else:
             self.fed_ranks = list(mesh.group_ranks["fed"])
             self.transport = mesh.transport("fed")
