@@ -12,8 +12,10 @@ Transformer, random tokens):
 Columns: mean step time of each phase (after the warm-up steps, the slowest rank; compute
 only runs first and last, and the faster of the two counts), the
 blocking exchange per sync, ``exposed`` = E * (overlap step - compute step) / blocking exchange
-(the issue's definition per sync period), FedAvg's own exposed time under overlap as a fraction
-of the blocking exchange, and overlap step / compute step. ``fits`` says whether the exchange is
+(the issue's definition per sync period), FedAvg's own exposed time under overlap per sync
+applied within the timed steps as a fraction of the blocking exchange (the loop's waiting; the
+rest of ``exposed`` is the exchange's own work slowing compute down), and overlap step /
+compute step. ``fits`` says whether the exchange is
 shorter than k compute steps (where the targets apply: exposed <= 10%, overlap <= 1.05x compute).
 
 Usage::
@@ -81,11 +83,13 @@ def _phase(a: argparse.Namespace, mesh: Any, codec: str, mode: str) -> dict[str,
             times.append(time.perf_counter() - t0)
     out = {"step_s": sum(times) / len(times)}
     if fed is not None:
+        # NOTE: the syncs applied within the timed steps; a round still in flight at the end is
+        # applied by finish() at once, without the compute it would overlap with: left out
+        out["exposed_s"] = fed.exposed_comm_s - exposed0
+        out["syncs"] = fed.num_syncs - syncs0
         t0 = time.perf_counter()
         fed.finish()
         out["finish_s"] = time.perf_counter() - t0
-        out["exposed_s"] = fed.exposed_comm_s - exposed0
-        out["syncs"] = fed.num_syncs - syncs0
     return out
 
 
