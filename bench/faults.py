@@ -21,11 +21,11 @@ Elastic rows (``--elastic``, flcomm.federated.elastic): 8 ranks as 4 federation 
 FedAvg every 4 steps, rank 3 (group 1) killed in the forward pass of step 5 or entering the
 exchange of step 8, once with ``--rejoin`` (the launcher restarts group 1, which rejoins at
 the survivors' next sync), and frozen (SIGSTOP) in the forward pass with a 10 s collective
-timeout (its group's other rank times out, then the survivors notice). Columns: the groups lost and rejoined, the grace, the membership
-round's seconds, seconds from the fault until the survivors finished the step of that round,
-the bound (grace + 10 s), the tokens the lost group trained since its last committed round (at
-most one round), all tokens, the final groups, and whether the rejoined group's final
-parameters equal the survivors'.
+timeout (its group's other rank times out, then the survivors notice). Columns: the groups
+lost and rejoined, the grace, the membership round's seconds, seconds from the fault until the
+survivors finished the step of that round, the bound (grace + 10 s), the tokens the lost group
+trained since its last committed round (at most one round), all tokens, the final groups, and
+whether the rejoined group's final parameters equal the survivors'.
 """
 
 from __future__ import annotations
@@ -247,6 +247,8 @@ def run_launcher_kill(strategy: str, sig: int, workdir: str, timeout_s: float = 
 
 ELASTIC_PHASES = {"forward": (5, "forward"), "fedavg": (8, "fedavg")}  # E = 4: both lose group 1 at the round of step 8
 ELASTIC_RANK = 3  # the second rank of federation group 1 of 4
+# the elastic runs: 4 federation groups of ELASTIC_G ranks, FedAvg every ELASTIC_E steps
+ELASTIC_G, ELASTIC_E, ELASTIC_BATCH, ELASTIC_SEQ = 2, 4, 2, 32
 
 
 @dataclass
@@ -273,11 +275,12 @@ class ElasticResult:
 def elastic_args(grace_s: float, steps: int, ckpt_dir: str, metrics: str, timeout_s: float = 20.0) -> list[str]:
     """8 ranks as 4 federation groups of 2 (one node each), FedAvg every 4 steps, a checkpoint
     every 4, ``--elastic``."""
-    return ["--strategy", "fl-fsdp", "--nproc", "8", "--ranks-per-node", "2", "--group-size", "2", "--model", "tiny",
-            "--steps", str(steps), "--batch-size", "2", "--seq-len", "32", "--max-tokens", "200000",
-            "--sync-every", "4", "--eval-batches", "1", "--eval-fraction", "0.05", "--warmup", "1",
-            "--timeout-s", str(timeout_s), "--no-progress", "--elastic", "--elastic-grace-s", str(grace_s),
-            "--checkpoint-dir", ckpt_dir, "--save-every", "4", "--metrics", metrics]
+    G, E = str(ELASTIC_G), str(ELASTIC_E)
+    return ["--strategy", "fl-fsdp", "--nproc", str(4 * ELASTIC_G), "--ranks-per-node", G, "--group-size", G,
+            "--model", "tiny", "--steps", str(steps), "--batch-size", str(ELASTIC_BATCH),
+            "--seq-len", str(ELASTIC_SEQ), "--max-tokens", "200000", "--sync-every", E, "--eval-batches", "1",
+            "--eval-fraction", "0.05", "--warmup", "1", "--timeout-s", str(timeout_s), "--no-progress", "--elastic",
+            "--elastic-grace-s", str(grace_s), "--checkpoint-dir", ckpt_dir, "--save-every", E, "--metrics", metrics]
 
 
 def group_params_equal(ckpt_root: str, groups: list[int]) -> bool:
@@ -286,10 +289,11 @@ def group_params_equal(ckpt_root: str, groups: list[int]) -> bool:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from flcomm.train import checkpoint as ckpt
+    from flcomm.train.driver import elastic_checkpoint_dir
 
     models = []
     for f in groups:
-        path = ckpt.latest_checkpoint(os.path.join(ckpt_root, f"group{f}"))
+        path = ckpt.latest_checkpoint(elastic_checkpoint_dir(ckpt_root, f))
         out = os.path.join(os.path.dirname(path), "full.pt")
         dcp_to_torch_save(path, out)
         sd = torch.load(out, weights_only=True)[f"group{f}"]["model"]
@@ -336,9 +340,7 @@ def run_elastic_fault(phase: str, workdir: str, grace_s: float = 3.0, rejoin: bo
     if not os.path.exists(metrics):
         return res
     m = read_metrics(metrics)
-    events = []
-    with open(metrics) as f:
-        events = [r["membership"] for r in map(json.loads, f) if "membership" in r]
+    events = m.membership
     lost = [e for e in events if e["lost"]]
     res.lost = sorted({g for e in lost for g in e["lost"]})
     res.rejoined = sorted({g for e in events if e["joined"] for g in e["joined"]})
@@ -352,8 +354,8 @@ def run_elastic_fault(phase: str, workdir: str, grace_s: float = 3.0, rejoin: bo
             res.resume_s = float(after[0]["wall_time"]) - t_fault
         # NOTE: the survivors' failed round ends the membership round; from there to training
         res.within_bound = res.membership_s <= res.bound_s and res.rc == 0
-        last_round = lost[0]["step"] - 4
-        res.tokens_lost = (step - last_round) * 2 * 2 * 32
+        last_round = lost[0]["step"] - ELASTIC_E
+        res.tokens_lost = (step - last_round) * ELASTIC_G * ELASTIC_BATCH * ELASTIC_SEQ
     if rejoin and res.rejoined:
         res.rejoined_equal = group_params_equal(ckpt_dir, [0, 1, 2, 3])
     return res
@@ -364,10 +366,11 @@ def format_elastic(rows: list[ElasticResult]) -> str:
             f"{'bound':>5} {'ok':>3} {'tok lost':>8} {'tokens':>7} {'final':>10} {'equal':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
+        equal = {None: "-", True: "y", False: "n"}[r.rejoined_equal]
         lines.append(f"{r.case:<28} {str(r.rc):>3} {str(r.lost):>5} {str(r.rejoined):>6} {r.grace_s:>5.1f} "
                      f"{r.membership_s or 0:>8.2f} {r.resume_s or 0:>8.2f} {r.bound_s:>5.1f} "
                      f"{'y' if r.within_bound else 'n':>3} {r.tokens_lost:>8} {r.tokens:>7} "
-                     f"{str(r.final_groups):>10} {'-' if r.rejoined_equal is None else 'y' if r.rejoined_equal else 'n':>5}")
+                     f"{str(r.final_groups):>10} {equal:>5}")
     return "\n".join(lines)
 
 

@@ -346,6 +346,20 @@ def _roundtrip_worker(rank: int, world: int, ckpt_dir: str) -> dict:
     return out
 
 
+def _resume_from(fm, fresh, shards: list[torch.Tensor], opt_sd: dict, load_fed, steps: range) -> dict:
+    """A fresh FSDP2 model, optimizer and FedAvg (``fresh()``) set to the saved local ``shards``
+    and optimizer state, ``load_fed(fed)``, then ``steps`` of training: the full parameters."""
+    model, opt, fed = fresh()
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), shards):
+            p.to_local().copy_(s)
+    opt.load_state_dict(copy.deepcopy(opt_sd))
+    load_fed(fed)
+    _train(fm, model, opt, fed, steps)
+    fed.finish()
+    return _full(model, "fsdp2")
+
+
 def _roundtrip_one(rank: int, world: int, ckpt_dir: str, kw: dict) -> dict:
     import torch.distributed.checkpoint as dcp
 
@@ -373,15 +387,7 @@ def _roundtrip_one(rank: int, world: int, ckpt_dir: str, kw: dict) -> dict:
     want = _full(model, "fsdp2")
 
     def resume(load_fed) -> dict:
-        model, opt, fed = fresh()
-        with torch.no_grad():
-            for p, s in zip(model.parameters(), shards):
-                p.to_local().copy_(s)
-        opt.load_state_dict(copy.deepcopy(opt_sd))
-        load_fed(fed)
-        _train(fm, model, opt, fed, range(6, 10))
-        fed.finish()
-        return _full(model, "fsdp2")
+        return _resume_from(fm, fresh, shards, opt_sd, load_fed, range(6, 10))
 
     def via_dcp(fed) -> None:
         template = {"fed": fed.state_dict()}

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from tests.dist import run_distributed
-from tests.test_fedavg import ATOL, CODEC_TOL, _build, _full, _mesh, _run_case, _train
+from tests.test_fedavg import ATOL, CODEC_TOL, _build, _full, _mesh, _resume_from, _run_case, _train
 from tests.fedavg_sim import make_model
 
 pytestmark = pytest.mark.timeout(900)  # a hang guard; the machine may be heavily shared
@@ -181,22 +181,11 @@ def _roundtrip_worker(rank: int, world: int) -> dict:
     fed.finish()
     want = _full(model, "fsdp2")
 
-    def resume(sd) -> dict:
-        model, opt, fed = fresh()
-        with torch.no_grad():
-            for p, s in zip(model.parameters(), shards):
-                p.to_local().copy_(s)
-        opt.load_state_dict(copy.deepcopy(opt_sd))
-        if sd is not None:
-            fed.load_state_dict(copy.deepcopy(sd))
-        _train(fm, model, opt, fed, range(6, 10))
-        fed.finish()
-        return _full(model, "fsdp2")
-
-    got = resume(fed_sd)
+    got = _resume_from(fm, fresh, shards, opt_sd, lambda f: f.load_state_dict(copy.deepcopy(fed_sd)), range(6, 10))
     for n in want:
         assert torch.equal(got[n], want[n]), f"{n} differs after resume"
-    got = resume(None)  # without the FedAvg state (residuals, momentum, anchor) it differs
+    # without the FedAvg state (residuals, momentum, anchor) it differs
+    got = _resume_from(fm, fresh, shards, opt_sd, lambda f: None, range(6, 10))
     _, model, _ = _build(world, F, S, "fsdp2", mesh=fm)
     with pytest.raises(ValueError, match="replicas"):
         FedAvg(model, fm, **kw, sharded_exchange=False).load_state_dict(copy.deepcopy(fed_sd))

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
     from flcomm.federated.topology import Topology
 
-__all__ = ["Federation", "GroupLostError", "Membership", "Outcome", "TooFewGroupsError", "ROOT"]
+__all__ = ["Federation", "GroupLostError", "Membership", "Outcome", "Poller", "TooFewGroupsError", "ROOT"]
 
 ROOT = "flcomm/elastic/"
 _POLL_S = (0.001, 0.05)  # first and longest sleep between store polls
@@ -96,14 +96,18 @@ class Outcome:
 
 
 @dataclass
-class _Poller:
-    """Sleeps between store polls, growing from 1 ms to 50 ms."""
+class Poller:
+    """The waits between polls of the store (or of a job), growing from 1 ms to 50 ms."""
 
     delay: float = _POLL_S[0]
 
+    def next(self) -> float:
+        """The next wait, in seconds."""
+        d, self.delay = self.delay, min(_POLL_S[1], self.delay * 2)
+        return d
+
     def sleep(self) -> None:
-        time.sleep(self.delay)
-        self.delay = min(_POLL_S[1], self.delay * 2)
+        time.sleep(self.next())
 
 
 @dataclass
@@ -119,7 +123,7 @@ class Federation:
         grace_s: how long a membership round (and a commit) waits for a silent rank.
         min_groups: fewer live groups end the job.
         stats: where the transports count their bytes (the mesh's).
-        rejoin: this rank's group is restarting: call :meth:`rejoin` before any exchange.
+        rejoin_mode: this rank's group is restarting: call :meth:`rejoin` before any exchange.
 
     Attributes:
         membership: the current :class:`Membership`.
@@ -189,8 +193,8 @@ class Federation:
         i = self.coords.index
         return [self.topology.group_ranks(f)[i] for f in sorted(groups)]
 
-    def live_ranks(self, groups: tuple[int, ...] | None = None) -> list[int]:
-        return [r for f in sorted(self.groups if groups is None else groups) for r in self.topology.group_ranks(f)]
+    def live_ranks(self) -> list[int]:
+        return [r for f in sorted(self.groups) for r in self.topology.group_ranks(f)]
 
     def is_leader(self) -> bool:
         """This rank is the first rank of the lowest live group (it writes the job's metrics)."""
@@ -207,7 +211,7 @@ class Federation:
         n = len(self.live_ranks())
         self.kv.add(base + ("ok" if ok else "fail"), 1)
         deadline = time.monotonic() + self.grace_s
-        poll = _Poller()
+        poll = Poller()
         while True:
             got = self._get(base + "outcome")
             if got is not None:
@@ -244,14 +248,13 @@ class Federation:
         n = len(self.live_ranks())
         cnt = self.kv.add(f"g{g}/alive_n", 1)
         deadline = time.monotonic() + self.grace_s
-        poll = _Poller()
+        poll = Poller()
         while self._get(f"gen/{g + 1}") is None and cnt < n and time.monotonic() < deadline:
             poll.sleep()
             cnt = self.kv.add(f"g{g}/alive_n", 0)
-        keep = tuple(f for f in self.groups
-                     if self.kv.check([f"g{g}/alive/{r}" for r in self.topology.group_ranks(f)]))
         missing = tuple(r for r in self.live_ranks() if not self.kv.check([f"g{g}/alive/{r}"]))
-        lost = tuple(f for f in self.groups if f not in keep)
+        lost = tuple(f for f in self.groups if set(self.topology.group_ranks(f)) & set(missing))
+        keep = tuple(f for f in self.groups if f not in lost)
         new = self._decide(Membership(g + 1, keep, step, lost, (), missing))
         self._change(new, t0)
         return new
@@ -270,17 +273,13 @@ class Federation:
         that admitted it, its transports built."""
         t0 = time.perf_counter()
         limit = timeout_s if timeout_s is not None else max(600.0, 4 * self.timeout.total_seconds())
-        g = 0
-        while self._get(f"gen/{g + 1}") is not None:
-            g += 1
         # NOTE: only a generation after the last one seen before asking counts: an older one
         # may have admitted an earlier incarnation of this group
-        seen = g
+        g = seen = self._newest_generation(0)
         self.kv.set(f"rejoin/{self.group}/{self.rank}", "1")
-        deadline, poll = time.monotonic() + limit, _Poller()
+        deadline, poll = time.monotonic() + limit, Poller()
         while True:
-            while self._get(f"gen/{g + 1}") is not None:
-                g += 1
+            g = self._newest_generation(g)
             got = self._get(f"gen/{g}") if g > seen else None
             m = Membership.from_json(got) if got is not None else None
             if m is not None and self.group in m.joined:
@@ -306,6 +305,12 @@ class Federation:
         return groups.index(min(f for f in groups if f not in joined))
 
     # ---------------------------------------------------------------- internals
+    def _newest_generation(self, g: int) -> int:
+        """The newest generation decided in the store, from generation ``g`` on."""
+        while self._get(f"gen/{g + 1}") is not None:
+            g += 1
+        return g
+
     def _decide(self, proposal: Membership) -> Membership:
         """The first proposal for generation ``proposal.generation`` wins (compare_set)."""
         got = self.kv.compare_set(f"gen/{proposal.generation}", "", proposal.to_json())
@@ -315,10 +320,11 @@ class Federation:
         old = self.membership
         self.membership = new
         if self.group not in new.groups:
+            silent = sorted(set(new.missing_ranks) & set(self.topology.group_ranks(self.group)))
             raise GroupLostError(
                 f"rank {self.rank}: federation group {self.group} is out of the federation at generation "
-                f"{new.generation} (step {new.step}): its rank(s) {sorted(set(new.missing_ranks) & set(self.topology.group_ranks(self.group)))} "
-                f"did not confirm within --elastic-grace-s {self.grace_s:g} s; groups {list(new.groups)} go on",
+                f"{new.generation} (step {new.step}): its rank(s) {silent} did not confirm within "
+                f"--elastic-grace-s {self.grace_s:g} s; groups {list(new.groups)} go on",
                 self.group, new.generation, list(new.missing_ranks))
         if len(new.groups) < self.min_groups:
             raise TooFewGroupsError(

@@ -80,7 +80,7 @@ from flcomm.federated.outer import Outer, OuterOptimizer
 from flcomm.federated.shards import collect_slots, fingerprint, is_dtensor
 
 if TYPE_CHECKING:
-    from flcomm.federated.elastic import Federation
+    from flcomm.federated.elastic import Federation, Outcome
     from flcomm.federated.topology import FedMesh
 
 STATE_VERSION = 1
@@ -558,7 +558,8 @@ class FedAvg:
                 except ValueError:
                     if self.federation is None:
                         raise
-                    # NOTE: elastic: saved with another number of groups (another bucket padding); residuals restart at 0
+                    # NOTE: elastic: saved with another number of groups (another bucket padding);
+                    # the residuals restart at 0
 
     # ---------------------------------------------------------------- internals
     def _topology_meta(self) -> dict:
@@ -619,40 +620,57 @@ class FedAvg:
         (:meth:`Federation.commit`). After an abort: the membership round, then the round's
         inputs restored and the round redone among the survivors, until one commits. A round
         that admits rejoining groups hands them the sync's state (:meth:`_handover`)."""
-        fed = self.federation
-        assert fed is not None
-        name = f"s{fr.sync_step}f{fr.index}"
-        while True:
-            res, ok = self._await_round(name, job, (self.mesh.timeout * (2 * nb + 2)).total_seconds())
-            res = res if ok else ExchangeResult()
-            outcome = fed.commit(name, ok)
-            if outcome.committed:
-                break
-            fed.reform(self.steps)
+        def restore() -> None:
             with torch.no_grad():
                 for t, saved in fr.backup or []:
                     t.copy_(saved)
-            self._rebind()
+
+        def redo() -> Job:
             self._submit(fr)
             job, fr.job = fr.job, None
+            return job
+
+        timeout_s = (self.mesh.timeout * (2 * nb + 2)).total_seconds()
+        res, outcome = self._agree(f"s{fr.sync_step}f{fr.index}", job, timeout_s, redo, restore=restore, admit=True)
         fr.backup = None
         if outcome.admit:
             self._handover(outcome.admit)
-        return res
+        return res if res is not None else ExchangeResult()
+
+    def _agree(self, name: str, job: Job, timeout_s: float, redo: Callable[[], Job],
+               restore: Callable[[], None] | None = None, admit: bool = False) -> tuple[Any, "Outcome"]:
+        """Elastic: wait for ``job`` (the collectives of round ``name``) and agree on it with every
+        live rank (:meth:`Federation.commit`). After an abort: the membership round, ``restore()``
+        (the round's inputs, before the exchanges are rebuilt from them), the exchanges rebound to
+        the survivors, and ``redo()``'s job in its place, until a round commits. Returns the job's
+        result and the outcome (``admit``: a round that may admit rejoining groups)."""
+        fed = self.federation
+        assert fed is not None
+        while True:
+            out, ok = self._await_round(name, job, timeout_s)
+            outcome = fed.commit(name, ok, admit=admit)
+            if outcome.committed:
+                return out, outcome
+            fed.reform(self.steps)
+            if restore is not None:
+                restore()
+            self._rebind()
+            job = redo()
 
     def _await_round(self, name: str, job: Job, timeout_s: float) -> tuple[Any, bool]:
         """Wait for ``job`` (an agreed round's collectives); ``(result, True)`` once it succeeded,
         ``(None, False)`` when it failed, timed out, or another rank decided round ``name``
         first."""
         from flcomm.comm.engine import EngineError
+        from flcomm.federated.elastic import Poller
 
         # NOTE: a rank whose peer left a collective (after an error of its own) may wait in it
         # until the timeout: once another rank decided the round, it stops waiting and leaves
         # the job behind on the old generation's lane
         assert self.federation is not None
-        deadline, poll = time.monotonic() + timeout_s, 0.001
-        while not job.host_done(poll) and not self.federation.decided(name) and time.monotonic() < deadline:
-            poll = min(0.05, 2 * poll)
+        deadline, poll = time.monotonic() + timeout_s, Poller()
+        while not job.host_done(poll.next()) and not self.federation.decided(name) and time.monotonic() < deadline:
+            pass
         if job.host_done():
             try:
                 return job.wait(), True
@@ -666,15 +684,12 @@ class FedAvg:
         round and ``fn`` again among the survivors. Without a federation, just ``fn``."""
         if self.federation is None:
             return fn(self.transport)
-        while True:
+
+        def submit() -> Job:
             transport = self.transport
-            job = self._engine.submit(lambda job: fn(transport), f"{name} over the federation")
-            out, ok = self._await_round(name, job, 2 * self.mesh.timeout.total_seconds())
-            outcome = self.federation.commit(name, ok, admit=False)
-            if outcome.committed:
-                return out
-            self.federation.reform(self.steps)
-            self._rebind()
+            return self._engine.submit(lambda job: fn(transport), f"{name} over the federation")
+
+        return self._agree(name, submit(), 2 * self.mesh.timeout.total_seconds(), submit)[0]
 
     def _rebind(self) -> None:
         """The exchanges over the federation's current transport."""

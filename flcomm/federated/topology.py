@@ -278,18 +278,18 @@ class FedMesh:
         self.timeout = timeout
         self.group_ranks: dict[str, list[int]] = {}
         dims = MESH_DIMS[1:] if self.group_world else MESH_DIMS
-        self.groups: dict[str, dist.ProcessGroup] = {d: self._new_groups(topo.dim_groups(d), d) for d in dims}
+        self.groups: dict[str, dist.ProcessGroup] = {d: self.new_groups(topo.dim_groups(d), d) for d in dims}
         mesh = topo.mesh()
         if self.group_world:
             self.group_ranks["fed"] = topo.dim_groups("fed")[self.coords.index]
-            mesh = [[[self._own.index(r) for r in row] for row in mesh[self.coords.group]]]
+            mesh = [[self._own.index(r) for r in row] for row in mesh[self.coords.group]]  # (R, S)
         # NOTE: a DeviceMesh built by DeviceMesh(...) / init_device_mesh creates its dims' groups
         # with torch's default 30-minute timeout: a frozen rank would hang FSDP's collectives
         # that long. The mesh is built on our own groups instead, which carry ``timeout``.
         self.device_mesh: DeviceMesh = DeviceMesh.from_group(
             [self.groups[d] for d in dims], device_type,
-            torch.tensor(mesh[0] if self.group_world else mesh, dtype=torch.int), mesh_dim_names=dims)
-        self.groups["group"] = self._new_groups(topo.dim_groups("group"), "group")
+            torch.tensor(mesh, dtype=torch.int), mesh_dim_names=dims)
+        self.groups["group"] = self.new_groups(topo.dim_groups("group"), "group")
         if hierarchical:
             for base in ("shard", "group"):
                 intra_all, inter_all = [], []
@@ -297,12 +297,13 @@ class FedMesh:
                     intra, inter = topo.node_split(ranks)
                     intra_all += intra
                     inter_all += inter
-                self.groups[f"{base}_intra"] = self._new_groups(intra_all, f"{base}_intra")
-                self.groups[f"{base}_inter"] = self._new_groups(inter_all, f"{base}_inter")
+                self.groups[f"{base}_intra"] = self.new_groups(intra_all, f"{base}_intra")
+                self.groups[f"{base}_inter"] = self.new_groups(inter_all, f"{base}_inter")
 
-    def _new_groups(self, lists: list[list[int]], name: str):
-        """One process group per rank list (global ranks), this rank's returned. In a group's
-        own world only the lists inside the group exist, in torch's (group) ranks."""
+    def new_groups(self, lists: list[list[int]], name: str):
+        """One process group per rank list (global ranks), this rank's returned and recorded
+        under ``name`` (collective: every rank calls it with the same lists). In a group's own
+        world only the lists inside the group exist, in torch's (group) ranks."""
         import torch.distributed as dist
 
         mine = None
@@ -314,11 +315,6 @@ class FedMesh:
             if self.rank in ranks:
                 mine, self.group_ranks[name] = g, list(ranks)
         return mine
-
-    def new_groups(self, lists: list[list[int]], name: str):
-        """Process groups for ``lists`` of global ranks (collective; see :meth:`_new_groups`):
-        this rank's, recorded under ``name``."""
-        return self._new_groups(lists, name)
 
     def global_ranks(self, ranks: Sequence[int]) -> list[int]:
         """Global ranks of torch.distributed ranks (different only in a group's own world)."""

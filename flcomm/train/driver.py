@@ -380,16 +380,23 @@ class Run:
         ranks = len(self.federation.live_ranks()) if self.federation is not None else self.topo.world_size
         return ranks * self.cfg.batch_size * self.cfg.seq_len
 
-    def checkpoint_dir(self, group: int | None = None) -> str:
+    def checkpoint_dir(self) -> str:
         """Where this rank's checkpoints go: elastic runs save per federation group."""
         assert self.cfg.checkpoint_dir
         if self.federation is None:
             return self.cfg.checkpoint_dir
-        return elastic_checkpoint_dir(self.cfg.checkpoint_dir, self.mesh.coords.group if group is None else group)
+        return elastic_checkpoint_dir(self.cfg.checkpoint_dir, self.mesh.coords.group)
 
 
 def elastic_checkpoint_dir(root: str, group: int) -> str:
+    """Federation group ``group``'s checkpoint folder under an elastic run's ``root``."""
     return os.path.join(root, f"group{group}")
+
+
+def elastic_checkpoint_groups(root: str) -> list[int]:
+    """The groups with a folder under an elastic run's ``root`` (:func:`elastic_checkpoint_dir`)."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(int(n[5:]) for n in names if n.startswith("group") and n[5:].isdigit())
 
 
 def _build_model(cfg: TrainConfig, mesh: "FedMesh", device: torch.device) -> tuple[nn.Module, FsdpTraffic]:
@@ -557,11 +564,10 @@ def _elastic_source(run: Run) -> tuple[str | None, int]:
     run's), this rank's own group's when it has that step; and the group it belongs to."""
     root = run.cfg.checkpoint_dir
     found: dict[int, tuple[int, str]] = {}
-    for name in sorted(os.listdir(root)) if os.path.isdir(root) and dist.get_rank() == 0 else []:
-        if name.startswith("group") and name[5:].isdigit():
-            path = ckpt.latest_checkpoint(os.path.join(root, name))
-            if path is not None:
-                found[int(name[5:])] = (int(ckpt.read_meta(path)["step"]), path)
+    for f in elastic_checkpoint_groups(root) if dist.get_rank() == 0 else []:
+        path = ckpt.latest_checkpoint(elastic_checkpoint_dir(root, f))
+        if path is not None:
+            found[f] = (int(ckpt.read_meta(path)["step"]), path)
     mine = run.mesh.coords.group
     choice: tuple[str | None, int] = (None, mine)
     if found:
@@ -703,7 +709,8 @@ class StepLogger:
             self.sums[t] += d[t]
         rec: dict[str, Any] = {
             "step": step, "loss": loss, "lr": lr_at(self.run.cfg, step), "tokens": self.tokens,
-            "time_s": self.elapsed(), "wall_time": time.time(), "tokens_per_s": tps / dt, "step_time_s": dt, "exposed_comm_s": exposed,
+            "time_s": self.elapsed(), "wall_time": time.time(), "tokens_per_s": tps / dt, "step_time_s": dt,
+            "exposed_comm_s": exposed,
             "internode_bytes": d[LinkTier.INTER_NODE], "intergroup_bytes": d[LinkTier.INTER_GROUP],
             "intranode_bytes": d[LinkTier.INTRA_NODE],
         }

@@ -28,7 +28,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -76,12 +76,14 @@ class MetricsWriter:
 
 @dataclass
 class RunMetrics:
-    """A metrics file read back: its config, step records and summary (None if unfinished)."""
+    """A metrics file read back: its config, step records, summary (None if unfinished) and
+    an elastic run's membership changes, in order."""
 
     path: str
     config: dict[str, Any]
     steps: list[dict[str, Any]]
     summary: dict[str, Any] | None
+    membership: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -103,6 +105,7 @@ def read_metrics(path: str) -> RunMetrics:
     config: dict[str, Any] = {}
     by_step: dict[int, dict[str, Any]] = {}
     summary = None
+    membership: list[dict[str, Any]] = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             line = line.strip()
@@ -116,9 +119,11 @@ def read_metrics(path: str) -> RunMetrics:
                 config = rec["config"]
             elif "summary" in rec:
                 summary = rec["summary"]
+            elif "membership" in rec:
+                membership.append(rec["membership"])
             elif "step" in rec:
                 by_step[int(rec["step"])] = rec
-    return RunMetrics(path, config, [by_step[k] for k in sorted(by_step)], summary)
+    return RunMetrics(path, config, [by_step[k] for k in sorted(by_step)], summary, membership)
 
 
 def perplexity(loss: float) -> float:
