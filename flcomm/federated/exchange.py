@@ -209,7 +209,7 @@ class DeltaExchange:
             self._back(self._piece(self.anchors[s.index], s), anchor)
             if self.own is not None:
                 own = self._stage(self.own[s.index], s, flat)
-                own.neg_().add_(disp)
+                torch.sub(disp, own, out=own)  # NOTE: one pass; -own + disp == disp - own exactly
                 self._back(self._piece(self.own[s.index], s), own)
 
     @torch.no_grad()

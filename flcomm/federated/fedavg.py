@@ -751,8 +751,12 @@ class FedAvg:
                 fr.flags[self._fed_index] = (~torch.isfinite(torch.cat(ext))).any().to(torch.int32)
         if self._own is not None:
             for i, t in locals_.items():
-                self._own[i].copy_(t)
-                self._own[i].sub_(self._anchor[i])
+                own, anchor = self._own[i], self._anchor[i]
+                if own.device == t.device:
+                    torch.sub(t, anchor, out=own)  # NOTE: one pass, the same fp32 result as copy, sub
+                else:
+                    own.copy_(t)
+                    own.sub_(anchor)
         if self.inner_state is InnerState.AVERAGE:
             self._average_inner_state()
         elif self.inner_state is InnerState.RESET:
