@@ -39,6 +39,22 @@ def test_spec_validation():
         EmulatedCluster(ClusterSpec(2), tag="Bad-Tag")
 
 
+def test_node_cpus_split_the_machine():
+    # an equal contiguous share each, the remainder left out
+    assert [netns.node_cpus(n, 2, [3, 0, 1, 2, 4]) for n in range(2)] == [[0, 1], [2, 3]]
+    assert [netns.node_cpus(n, 2, [0, 1]) for n in range(2)] == [[0], [1]]
+    # more nodes than CPUs: one CPU each, round robin
+    assert [netns.node_cpus(n, 3, [5, 7]) for n in range(3)] == [[5], [7], [5]]
+    # every node's share is disjoint from the others' when there are enough CPUs
+    cpus = list(range(16))
+    for nodes in range(1, 17):
+        shares = [set(netns.node_cpus(n, nodes, cpus)) for n in range(nodes)]
+        assert all(len(x) == 16 // nodes for x in shares)
+        assert len(set().union(*shares)) == nodes * (16 // nodes)
+    with pytest.raises(ValueError, match="node must be in"):
+        netns.node_cpus(2, 2, [0, 1])
+
+
 def test_without_root_it_says_so(monkeypatch):
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     with pytest.raises(PermissionError, match="needs root.*uid 1000.*sudo"):
@@ -74,7 +90,7 @@ def test_layout_isolation_and_teardown_on_error():
 
 
 @needs_root
-def test_launch_env_failure_and_timeout():
+def test_launch_env_pin_failure_and_timeout(tmp_path):
     before = _ours()
     with EmulatedCluster(ClusterSpec(2)) as c:
         code = ("import os, sys; e = os.environ; "
@@ -86,6 +102,15 @@ def test_launch_env_failure_and_timeout():
               "sys.exit(5) if r == 3 else time.sleep(60)"
         with pytest.raises(ClusterError, match=r"(?s)ranks \[.*3\] failed.*rank 3's log.*rank 3 failing"):
             c.launch([sys.executable, "-c", bad], 2, timeout=60, grace=1.0, stream_rank0=False)
+        # pin: each node's ranks see the node's own share of the CPUs
+        mine = sorted(os.sched_getaffinity(0))
+        show = "import os; print(sorted(os.sched_getaffinity(0)))"
+        logs = str(tmp_path / "pin")
+        assert c.launch([sys.executable, "-c", show], 2, timeout=60, stream_rank0=False, pin=True,
+                        log_dir=logs) == [0, 0, 0, 0]
+        for r in range(4):
+            with open(os.path.join(logs, f"rank{r}.log")) as f:
+                assert f.read().strip() == str(netns.node_cpus(r // 2, 2, mine)), r
         with pytest.raises(ClusterError, match="did not finish within 2 s"):
             c.launch([sys.executable, "-c", "import time; time.sleep(60)"], 2, timeout=2, stream_rank0=False)
         assert all(netns._namespace_pids(ns) == [] for ns in c.namespaces)
