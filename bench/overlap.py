@@ -56,8 +56,9 @@ import torch
 import torch.distributed as dist
 
 
-def _build(a: argparse.Namespace, mesh: Any, codec: str, mode: str) -> tuple[Any, ...]:
-    """The model (sharded), its optimizer, FedAvg (None for compute only) and a token source."""
+def _build(a: argparse.Namespace, mesh: Any, codec: str, overlap: bool) -> tuple[Any, ...]:
+    """The model (sharded), its optimizer, its FedAvg and a token source (the compute-only steps
+    run the same model without ``fed.step()``)."""
     from flcomm.federated.fedavg import FedAvg
     from flcomm.train.driver import shard_model
     from flcomm.train.model import build_model, get_config
@@ -65,11 +66,8 @@ def _build(a: argparse.Namespace, mesh: Any, codec: str, mode: str) -> tuple[Any
     model = build_model(get_config(a.model, dim=a.model_dim) if a.model_dim else a.model, seed=a.seed)
     shard_model(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    fed = None
-    if mode != "compute":
-        fed = FedAvg(model, mesh, sync_every=a.sync_every, codec=codec, error_feedback=codec != "none",
-                     overlap=mode == "overlap", overlap_steps=a.overlap_steps, bucket_mb=a.bucket_mb,
-                     fragments=a.fragments)
+    fed = FedAvg(model, mesh, sync_every=a.sync_every, codec=codec, error_feedback=codec != "none",
+                 overlap=overlap, overlap_steps=a.overlap_steps, bucket_mb=a.bucket_mb, fragments=a.fragments)
     g = torch.Generator().manual_seed(a.seed * 1000 + mesh.rank)
     vocab = model.cfg.vocab_size if hasattr(model, "cfg") else 256
     return model, opt, fed, lambda: torch.randint(0, vocab, (a.batch_size, a.seq_len + 1), generator=g)
@@ -97,7 +95,7 @@ def _steps(model: Any, opt: Any, fed: Any, tokens: Any, n: int) -> float:
 def _blocking(a: argparse.Namespace, mesh: Any, codec: str) -> dict[str, float]:
     """The blocking phase: mean step time after the warm-up, and the exchange per sync (FedAvg's
     exposed time: the loop waits for all of it)."""
-    model, opt, fed, tokens = _build(a, mesh, codec, "blocking")
+    model, opt, fed, tokens = _build(a, mesh, codec, overlap=False)
     _steps(model, opt, fed, tokens, a.warmup)
     fed.finish()
     exposed0, syncs0 = fed.exposed_comm_s, fed.num_syncs
@@ -110,7 +108,7 @@ def _interleaved(a: argparse.Namespace, mesh: Any, codec: str) -> list[dict[str,
     """Compute-only and overlapped blocks of one model in turns, C O C O ... C (module
     docstring): per overlapped block, its time, the mean of the compute blocks around it, the
     exchanges applied within it and FedAvg's exposed time (each the slowest rank's)."""
-    model, opt, fed, tokens = _build(a, mesh, codec, "overlap")
+    model, opt, fed, tokens = _build(a, mesh, codec, overlap=True)
     n = (a.block_syncs + 1) * a.sync_every
 
     def overlapped() -> dict[str, float]:
@@ -165,11 +163,11 @@ def summarize(a: argparse.Namespace, codec: str, blk: dict[str, float],
     for b in blocks:
         # NOTE: the compute-only time of the block's steps is taken out, the rest is spread over
         # the exchanges applied within it (one per E / K steps in steady training)
-        per_exchange = (b["time_s"] - b["steps"] * b["compute_step_s"]) / max(1, b["applied"])
+        applied = max(1, b["applied"])
+        per_exchange = (b["time_s"] - b["steps"] * b["compute_step_s"]) / applied
         reps.append({**b, "overhead_per_exchange_s": per_exchange,
                      "exposed_fraction": per_exchange / exchange if exchange > 0 else 0.0,
-                     "fedavg_exposed_fraction": b["fedavg_s"] / max(1, b["applied"]) / exchange
-                     if exchange > 0 else 0.0})
+                     "fedavg_exposed_fraction": b["fedavg_s"] / applied / exchange if exchange > 0 else 0.0})
     mean = {k: statistics.fmean(r[k] for r in reps)
             for k in ("compute_step_s", "overhead_per_exchange_s", "exposed_fraction", "fedavg_exposed_fraction")}
     overlap_step = mean["compute_step_s"] + mean["overhead_per_exchange_s"] * a.fragments / a.sync_every

@@ -349,7 +349,8 @@ class EmulatedCluster:
             p = subprocess.Popen(self.exec_argv(r // ranks_per_node, argv),
                                  env=self.rank_env(r, ranks_per_node, env), cwd=cwd,
                                  stdout=out, stderr=subprocess.STDOUT if out is not None else None,
-                                 start_new_session=True, preexec_fn=functools.partial(_start_rank, cpus[r // ranks_per_node]))
+                                 start_new_session=True,
+                                 preexec_fn=functools.partial(_start_rank, cpus[r // ranks_per_node]))
             procs.append(p)
             self._procs.append(p)
         deadline = time.monotonic() + timeout
@@ -422,22 +423,17 @@ def node_cpus(node: int, nodes: int, cpus: Sequence[int]) -> list[int]:
 
 
 def _start_rank(cpus: list[int] | None) -> None:
-    """preexec_fn of every rank: die with the launcher; with ``cpus``, run on those only (the
-    affinity survives the exec of `ip netns exec` and of the rank)."""
-    _die_with_parent()
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-
-
-def _die_with_parent() -> None:
     """preexec_fn of every rank: SIGKILL when the launcher dies (also by SIGKILL), so no rank
-    outlives it. NOTE: the setting survives the exec of `ip netns exec` and of the rank."""
+    outlives it; with ``cpus``, run on those only. NOTE: both settings survive the exec of
+    `ip netns exec` and of the rank."""
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
 def _tail(path: str, n: int = 40) -> str:
