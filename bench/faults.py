@@ -249,6 +249,7 @@ ELASTIC_PHASES = {"forward": (5, "forward"), "fedavg": (8, "fedavg")}  # E = 4: 
 ELASTIC_RANK = 3  # the second rank of federation group 1 of 4
 # the elastic runs: 4 federation groups of ELASTIC_G ranks, FedAvg every ELASTIC_E steps
 ELASTIC_G, ELASTIC_E, ELASTIC_BATCH, ELASTIC_SEQ = 2, 4, 2, 32
+ELASTIC_REJOIN_STEPS = 200  # the cap of a --rejoin run, which is stopped one round after the admission
 
 
 @dataclass
@@ -256,6 +257,7 @@ class ElasticResult:
     """One elastic case: 8 ranks as 4 federation groups x 2, rank 3 (group 1) killed."""
 
     case: str
+    rejoin: bool = False               # --rejoin: the launcher restarts the lost group
     rc: int | None = None
     lost: list[int] = field(default_factory=list)
     rejoined: list[int] = field(default_factory=list)
@@ -268,7 +270,8 @@ class ElasticResult:
     tokens_lost: int = 0               # the lost group's tokens since its last committed round
     tokens: int = 0                    # every token the run trained on
     final_groups: list[int] = field(default_factory=list)
-    rejoined_equal: bool | None = None  # the rejoined group's parameters equal the survivors' at the end
+    rejoined_equal: bool | None = None  # the rejoined group's parameters equal the survivors' (stopped_at)
+    stopped_at: int | None = None      # rejoin: the sync one round after the admission, where the run was stopped
     message: str = ""
 
 
@@ -283,8 +286,8 @@ def elastic_args(grace_s: float, steps: int, ckpt_dir: str, metrics: str, timeou
             "--elastic-grace-s", str(grace_s), "--checkpoint-dir", ckpt_dir, "--save-every", E, "--metrics", metrics]
 
 
-def group_params_equal(ckpt_root: str, groups: list[int]) -> bool:
-    """The newest checkpoint of every group in ``groups`` (same step) holds the same model."""
+def group_params_equal(ckpt_root: str, groups: list[int], step: int) -> bool:
+    """The checkpoints of step ``step`` of every group in ``groups`` hold the same model."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -293,13 +296,36 @@ def group_params_equal(ckpt_root: str, groups: list[int]) -> bool:
 
     models = []
     for f in groups:
-        path = ckpt.latest_checkpoint(elastic_checkpoint_dir(ckpt_root, f))
+        path = os.path.join(elastic_checkpoint_dir(ckpt_root, f), ckpt.step_name(step))
         out = os.path.join(os.path.dirname(path), "full.pt")
         dcp_to_torch_save(path, out)
-        sd = torch.load(out, weights_only=True)[f"group{f}"]["model"]
-        models.append((int(ckpt.read_meta(path)["step"]), sd))
-    step0, ref = models[0]
-    return all(st == step0 and all(torch.equal(ref[k], sd[k]) for k in ref) for st, sd in models)
+        models.append(torch.load(out, weights_only=True)[f"group{f}"]["model"])
+    ref = models[0]
+    return all(all(torch.equal(ref[k], sd[k]) for k in ref) for sd in models)
+
+
+def _latest_steps(ckpt_root: str, groups: list[int]) -> list[int]:
+    """The step of every group's newest checkpoint (-1: none yet)."""
+    from flcomm.train import checkpoint as ckpt
+    from flcomm.train.driver import elastic_checkpoint_dir
+
+    out = []
+    for f in groups:
+        path = ckpt.latest_checkpoint(elastic_checkpoint_dir(ckpt_root, f))
+        out.append(-1 if path is None else int(os.path.basename(path)[5:]))
+    return out
+
+
+def _joined_step(metrics: str) -> int | None:
+    """The step of the first membership record that admitted a group, from a metrics file
+    being written (None: none yet)."""
+    from flcomm.train.metrics import read_metrics
+
+    try:
+        m = read_metrics(metrics)
+    except (OSError, ValueError):  # NOTE: not there yet, or a line half written
+        return None
+    return next((e["step"] for e in m.membership if e["joined"]), None)
 
 
 def run_elastic_fault(phase: str, workdir: str, grace_s: float = 3.0, rejoin: bool = False,
@@ -308,19 +334,25 @@ def run_elastic_fault(phase: str, workdir: str, grace_s: float = 3.0, rejoin: bo
     """Kill (or freeze: ``action``) rank 3 of 8 (federation group 1 of 4) when it enters
     ``phase`` (a key of ELASTIC_PHASES), under ``--elastic`` (and ``--rejoin``: the launcher
     restarts group 1); ``extra``: more flags of the run. A frozen rank's peers notice it after
-    the collective timeout ``timeout_s``, which the bound then includes."""
+    the collective timeout ``timeout_s``, which the bound then includes.
+
+    With ``rejoin`` the run is stopped (SIGTERM to the launcher) once every group has saved the
+    sync one round after group 1 was admitted, whose checkpoints are then compared: how many
+    steps the survivors run while group 1 restarts depends on the machine, so ``steps`` only
+    caps the run."""
     from flcomm.train.metrics import read_metrics
     from flcomm.train.monitor import read_heartbeat
 
     step, mphase = ELASTIC_PHASES[phase]
-    res = ElasticResult(f"elastic {action} {phase}" + (" + rejoin" if rejoin else ""), grace_s=grace_s,
-                        bound_s=grace_s + 10.0)
+    res = ElasticResult(f"elastic {action} {phase}" + (" + rejoin" if rejoin else ""), rejoin=rejoin,
+                        grace_s=grace_s, bound_s=grace_s + 10.0)
     log_dir, ckpt_dir, metrics = (os.path.join(workdir, n) for n in ("log", "ckpt", "m.jsonl"))
     args = (elastic_args(grace_s, steps, ckpt_dir, metrics, timeout_s) + ["--log-dir", log_dir]
             + (["--rejoin"] if rejoin else []) + list(extra))
     env = _env(FLCOMM_FAULT=f"{ELASTIC_RANK}:{step}:{mphase}:{action}")
     err_path = os.path.join(workdir, "stderr.txt")
-    t_fault = None
+    t_fault = joined = None
+    groups = list(range(4))
     with open(err_path, "w") as err:
         p = subprocess.Popen([sys.executable, "-m", "flcomm.train", *args], env=env, stdout=subprocess.DEVNULL,
                              stderr=err, text=True, start_new_session=True)
@@ -330,13 +362,24 @@ def run_elastic_fault(phase: str, workdir: str, grace_s: float = 3.0, rejoin: bo
             hb = read_heartbeat(log_dir, ELASTIC_RANK)
             if t_fault is None and hb is not None and hb.get("step") == step and hb.get("phase") == mphase:
                 t_fault = float(hb["t"])
+            if rejoin:
+                joined = joined if joined is not None else _joined_step(metrics)
+                if joined is not None and min(_latest_steps(ckpt_dir, groups)) >= joined + ELASTIC_E:
+                    res.stopped_at = joined + ELASTIC_E
+                    p.send_signal(signal.SIGTERM)
+                    break
             time.sleep(0.05)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
         if p.poll() is None:
             p.kill()
         p.wait()
     with open(err_path) as f:
         res.message = f.read()
     res.rc = p.returncode
+    ended = res.rc == 0 or (res.stopped_at is not None and res.rc == -signal.SIGTERM)
     if not os.path.exists(metrics):
         return res
     m = read_metrics(metrics)
@@ -353,24 +396,24 @@ def run_elastic_fault(phase: str, workdir: str, grace_s: float = 3.0, rejoin: bo
         if after and t_fault is not None:
             res.resume_s = float(after[0]["wall_time"]) - t_fault
         # NOTE: the survivors' failed round ends the membership round; from there to training
-        res.within_bound = res.membership_s <= res.bound_s and res.rc == 0
+        res.within_bound = res.membership_s <= res.bound_s and ended
         last_round = lost[0]["step"] - ELASTIC_E
         res.tokens_lost = (step - last_round) * ELASTIC_G * ELASTIC_BATCH * ELASTIC_SEQ
-    if rejoin and res.rejoined:
-        res.rejoined_equal = group_params_equal(ckpt_dir, [0, 1, 2, 3])
+    if res.stopped_at is not None:
+        res.rejoined_equal = group_params_equal(ckpt_dir, groups, res.stopped_at)
     return res
 
 
 def format_elastic(rows: list[ElasticResult]) -> str:
     head = (f"{'case':<28} {'rc':>3} {'lost':>5} {'rejoin':>6} {'grace':>5} {'member s':>8} {'resume s':>8} "
-            f"{'bound':>5} {'ok':>3} {'tok lost':>8} {'tokens':>7} {'final':>10} {'equal':>5}")
+            f"{'bound':>5} {'ok':>3} {'tok lost':>8} {'tokens':>7} {'final':>10} {'equal':>5} {'stop':>4}")
     lines = [head, "-" * len(head)]
     for r in rows:
         equal = {None: "-", True: "y", False: "n"}[r.rejoined_equal]
         lines.append(f"{r.case:<28} {str(r.rc):>3} {str(r.lost):>5} {str(r.rejoined):>6} {r.grace_s:>5.1f} "
                      f"{r.membership_s or 0:>8.2f} {r.resume_s or 0:>8.2f} {r.bound_s:>5.1f} "
                      f"{'y' if r.within_bound else 'n':>3} {r.tokens_lost:>8} {r.tokens:>7} "
-                     f"{str(r.final_groups):>10} {equal:>5}")
+                     f"{str(r.final_groups):>10} {equal:>5} {str(r.stopped_at or '-'):>4}")
     return "\n".join(lines)
 
 
@@ -432,8 +475,8 @@ def main(argv: list[str] | None = None) -> int:
         for phase, rejoin, action in (("forward", False, "kill"), ("fedavg", False, "kill"), ("forward", True, "kill"),
                                       ("forward", False, "freeze")):
             with tempfile.TemporaryDirectory(prefix="flcomm-elastic-") as d:
-                e = run_elastic_fault(phase, d, args.grace_s, rejoin, steps=24 if rejoin else 12, action=action,
-                                      timeout_s=10.0 if action == "freeze" else 20.0)
+                e = run_elastic_fault(phase, d, args.grace_s, rejoin, steps=ELASTIC_REJOIN_STEPS if rejoin else 12,
+                                      action=action, timeout_s=10.0 if action == "freeze" else 20.0)
             erows.append(e)
             print(f"{e.case}: rc {e.rc}, lost {e.lost}, membership {e.membership_s or 0:.1f} s",
                   file=sys.stderr, flush=True)
@@ -442,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows + erows], f, indent=1)
     ok = all(r.within_bound and not r.orphans and r.names_rank and r.names_phase for r in rows)
-    return 0 if ok and all(e.within_bound and e.rejoined_equal is not False for e in erows) else 1
+    return 0 if ok and all(e.within_bound and (e.rejoined_equal or not e.rejoin) for e in erows) else 1
 
 
 if __name__ == "__main__":

@@ -167,6 +167,68 @@ def test_corrupt_files_are_named_before_loading(scenario, tmp_path):
         check_before_launch(cfg, 4)
 
 
+# ---------------------------------------------------------------- pinning a checkpoint that others prune
+def _ckpt_dir_of_steps(root: str, tmp_path, steps: list[int]) -> str:
+    """A checkpoint folder with copies of scenario A's checkpoint (of step 6) renamed to
+    ``steps``; ``latest`` names the last."""
+    import shutil
+
+    src = ckpt.latest_checkpoint(os.path.join(root, "a"))
+    d = str(tmp_path / "c")
+    for st in steps:
+        shutil.copytree(src, os.path.join(d, ckpt.step_name(st)))
+    (tmp_path / "c" / "latest").write_text(ckpt.step_name(steps[-1]) + "\n")
+    return d
+
+
+def test_pinned_checkpoint_outlives_its_pruning(scenario, tmp_path):
+    import shutil
+
+    _, root = scenario
+    d = _ckpt_dir_of_steps(root, tmp_path, [6])
+    into = str(tmp_path / "pin")
+    pinned, original = ckpt.pin_latest(d, into)
+    assert original == os.path.join(d, "step_00000006") and os.path.dirname(pinned) == into
+    want = {n: open(os.path.join(original, n), "rb").read() for n in os.listdir(original)}
+    shutil.rmtree(original)  # the saving job prunes it
+    assert {n: open(os.path.join(pinned, n), "rb").read() for n in os.listdir(pinned)} == want
+    assert ckpt.verify_files(pinned, ckpt.read_meta(pinned)) is None
+    assert ckpt.pin_latest(str(tmp_path / "empty"), into) is None
+
+
+def test_pin_takes_the_newer_checkpoint_when_its_choice_is_pruned(scenario, tmp_path, monkeypatch):
+    import shutil
+
+    _, root = scenario
+    d = _ckpt_dir_of_steps(root, tmp_path, [6, 9])
+    (tmp_path / "c" / "latest").write_text("step_00000006\n")  # step 9 is being saved
+    real = ckpt._link_or_copy
+    calls = []
+
+    def saver_publishes_and_prunes(src: str, dst: str) -> None:
+        if not calls:  # NOTE: after pin_latest chose step 6: step 9 published, step 6 pruned
+            (tmp_path / "c" / "latest").write_text("step_00000009\n")
+            shutil.rmtree(os.path.join(d, "step_00000006"))
+        calls.append(src)
+        real(src, dst)
+
+    monkeypatch.setattr(ckpt, "_link_or_copy", saver_publishes_and_prunes)
+    pinned, original = ckpt.pin_latest(d, str(tmp_path / "pin"))
+    assert original == os.path.join(d, "step_00000009") and os.path.basename(pinned) == "step_00000009"
+    assert ckpt.verify_files(pinned, ckpt.read_meta(pinned)) is None
+    assert os.listdir(tmp_path / "pin") == ["step_00000009"]  # the partial pin of step 6 is gone
+
+
+def test_pin_of_a_damaged_newest_checkpoint_is_left_to_the_verification(scenario, tmp_path):
+    _, root = scenario
+    d = _ckpt_dir_of_steps(root, tmp_path, [6])
+    victim = sorted(f for f in os.listdir(os.path.join(d, "step_00000006")) if f.endswith(".distcp"))[0]
+    os.remove(os.path.join(d, "step_00000006", victim))
+    pinned, _ = ckpt.pin_latest(d, str(tmp_path / "pin"))  # NOTE: not retried as if pruned
+    with pytest.raises(ValueError, match=f"missing \\['{victim}'\\]"):
+        ckpt.verify_files(pinned, ckpt.read_meta(pinned))
+
+
 def test_latest_cannot_point_outside(tmp_path):
     for bad in ("../elsewhere", "/etc", "step_00000001/../../x", "x" * 300):
         (tmp_path / "latest").write_text(bad + "\n")

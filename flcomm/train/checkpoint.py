@@ -6,6 +6,8 @@ Layout under a checkpoint directory::
     ckpt/latest             name of the newest complete checkpoint (replaced atomically)
     ckpt/.tmp-step_00000200 a save in progress (or one that crashed: ignored, removed by the
                             next save)
+    ckpt/.tmp-pin/step_...  an elastic run's rejoining group: hard links to another group's
+                            checkpoint while it loads (pin_latest)
 
 What is saved:
   * ``group{f}.model`` / ``group{f}.optim`` (DCP): the model and optimizer state of federation
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 2
 LATEST = "latest"
 _TMP_PREFIX = ".tmp-"
+PIN_DIR = _TMP_PREFIX + "pin"  # pin_latest's folder in a rejoining group's checkpoint directory
 _NAME = re.compile(r"step_\d{8}")
 META = "meta.json"
 
@@ -309,6 +312,44 @@ def _prune(ckpt_dir: str, keep: int) -> None:
                   if _NAME.fullmatch(d) and os.path.isfile(os.path.join(ckpt_dir, d, META)))
     for d in done[:-keep]:
         shutil.rmtree(os.path.join(ckpt_dir, d), ignore_errors=True)
+
+
+def pin_latest(ckpt_dir: str, into: str, attempts: int = 5) -> tuple[str, str] | None:
+    """Hold on to the newest complete checkpoint of ``ckpt_dir`` while another job keeps saving
+    there (and pruning): hard-link its files into ``into/<name>`` (copy them where links are
+    not possible). Returns ``(pinned, original)`` paths, or None when there is no checkpoint.
+    A checkpoint pruned while it is being pinned is dropped and the then newest one is
+    pinned instead, up to ``attempts`` times. Remove ``into`` when done."""
+    for _ in range(attempts):
+        path = latest_checkpoint(ckpt_dir)
+        if path is None:
+            return None
+        dst = os.path.join(into, os.path.basename(path))
+        shutil.rmtree(dst, ignore_errors=True)
+        os.makedirs(dst)
+        try:
+            for n in os.listdir(path):
+                _link_or_copy(os.path.join(path, n), os.path.join(dst, n))
+        except FileNotFoundError:
+            pass
+        complete = os.path.isfile(os.path.join(dst, META)) and \
+            set(_data_files(dst)) == set(read_meta(dst).get("files", ()))
+        # NOTE: only checkpoints older than the newest are pruned: an incomplete pin of the
+        # newest is a damaged checkpoint, which load() names (it verifies every file)
+        if complete or latest_checkpoint(ckpt_dir) == path:
+            return dst, path
+        shutil.rmtree(dst, ignore_errors=True)
+    raise RuntimeError(f"could not pin a checkpoint of {ckpt_dir}: each of {attempts} newest ones was pruned "
+                       "while it was being pinned")
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except FileNotFoundError:
+        raise
+    except OSError:  # NOTE: another file system, or one without hard links
+        shutil.copy2(src, dst)
 
 
 def _safe_planner() -> Any:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -534,46 +535,68 @@ def _resume(run: Run) -> None:
     without ``allow_data_change``, other data)."""
     cfg = run.cfg
     coords = run.mesh.coords
-    path, src = (ckpt.latest_checkpoint(cfg.checkpoint_dir), coords.group) if run.federation is None else \
-        _elastic_source(run)
-    if path is not None:
-        ckpt.check_resume(ckpt.read_meta(path), run.meta, path, cfg.allow_data_change)
-        _, rs = ckpt.load(path, run.model, run.optimizer, src, run.topo, run.meta["model"],
-                          same_group_shape=run.federation is not None)
-        if run.federation is not None and (src != coords.group or rs["data"].get("n_windows") != run.loader.n_windows):
-            # NOTE: elastic, another group's (or another number of groups'): the data position only
-            # (the windows consumed per rank: the same on every rank)
-            run.loader.position = int(rs["data"]["position"])
-        else:
-            run.loader.load_state_dict(rs["data"])
-        if run.fed is not None:
-            if rs.get("fed") is None:
-                raise ValueError(f"checkpoint {path} has no FedAvg state (written by strategy "
-                                 f"without federation), cannot resume {cfg.strategy}")
-            # NOTE: elastic: another group's entry for the rank with this rank's shard coordinates
-            run.fed.load_state_dict(rs["fed"], source_rank=src * run.topo.group_size + coords.index)
-        run.start_step, run.elapsed0, run.resumed_from = int(rs["step"]), float(rs.get("elapsed_s", 0.0)), path
+    path, src, pin = (ckpt.latest_checkpoint(cfg.checkpoint_dir), coords.group, None) if run.federation is None \
+        else _elastic_source(run)
+    try:
+        if path is not None:
+            _load(run, pin or path, src)
+            run.resumed_from = path
+    finally:
+        if pin is not None:
+            dist.barrier()  # NOTE: every rank of the group has read its files
+            if dist.get_rank() == 0:
+                shutil.rmtree(os.path.dirname(pin), ignore_errors=True)
     if run.rank == 0:
         print(f"flcomm.train: resuming from {path} (step {run.start_step})" if path else
               f"flcomm.train: no checkpoint in {cfg.checkpoint_dir}, starting at step 0",
               file=sys.stderr, flush=True)
 
 
-def _elastic_source(run: Run) -> tuple[str | None, int]:
+def _load(run: Run, path: str, src: int) -> None:
+    """:func:`_resume` of checkpoint ``path``, federation group ``src``'s state in it."""
+    cfg, coords = run.cfg, run.mesh.coords
+    ckpt.check_resume(ckpt.read_meta(path), run.meta, path, cfg.allow_data_change)
+    _, rs = ckpt.load(path, run.model, run.optimizer, src, run.topo, run.meta["model"],
+                      same_group_shape=run.federation is not None)
+    if run.federation is not None and (src != coords.group or rs["data"].get("n_windows") != run.loader.n_windows):
+        # NOTE: elastic, another group's (or another number of groups'): the data position only
+        # (the windows consumed per rank: the same on every rank)
+        run.loader.position = int(rs["data"]["position"])
+    else:
+        run.loader.load_state_dict(rs["data"])
+    if run.fed is not None:
+        if rs.get("fed") is None:
+            raise ValueError(f"checkpoint {path} has no FedAvg state (written by strategy "
+                             f"without federation), cannot resume {cfg.strategy}")
+        # NOTE: elastic: another group's entry for the rank with this rank's shard coordinates
+        run.fed.load_state_dict(rs["fed"], source_rank=src * run.topo.group_size + coords.index)
+    run.start_step, run.elapsed0 = int(rs["step"]), float(rs.get("elapsed_s", 0.0))
+
+
+def _elastic_source(run: Run) -> tuple[str | None, int, str | None]:
     """An elastic resume: the newest checkpoint of any group (their number may differ from this
-    run's), this rank's own group's when it has that step; and the group it belongs to."""
+    run's), this rank's own group's when it has that step; the group it belongs to; and for a
+    rejoining group, the checkpoint pinned (:func:`flcomm.train.checkpoint.pin_latest`: the
+    survivors go on saving and pruning while it loads), else None."""
     root = run.cfg.checkpoint_dir
-    found: dict[int, tuple[int, str]] = {}
-    for f in elastic_checkpoint_groups(root) if dist.get_rank() == 0 else []:
-        path = ckpt.latest_checkpoint(elastic_checkpoint_dir(root, f))
-        if path is not None:
-            found[f] = (int(ckpt.read_meta(path)["step"]), path)
     mine = run.mesh.coords.group
-    choice: tuple[str | None, int] = (None, mine)
-    if found:
-        newest = max(step for step, _ in found.values())
-        src = mine if found.get(mine, (-1, ""))[0] == newest else min(f for f, (st, _) in found.items() if st == newest)
-        choice = (found[src][1], src)
+    choice: tuple[str | None, int, str | None] = (None, mine, None)
+    if dist.get_rank() == 0:
+        found: dict[int, tuple[int, str]] = {}
+        for f in elastic_checkpoint_groups(root):
+            path = ckpt.latest_checkpoint(elastic_checkpoint_dir(root, f))
+            if path is not None:
+                found[f] = (int(ckpt.read_meta(path)["step"]), path)
+        if found:
+            newest = max(step for step, _ in found.values())
+            src = mine if found.get(mine, (-1, ""))[0] == newest else \
+                min(f for f, (st, _) in found.items() if st == newest)
+            choice = (found[src][1], src, None)
+            if run.cfg.rejoin:
+                into = os.path.join(elastic_checkpoint_dir(root, mine), ckpt.PIN_DIR)
+                shutil.rmtree(into, ignore_errors=True)  # NOTE: a pin a crashed rejoin left
+                pinned = ckpt.pin_latest(elastic_checkpoint_dir(root, src), into)
+                choice = (pinned[1], src, pinned[0]) if pinned is not None else choice
     # NOTE: the group's first rank chooses for all: survivors may publish a newer one meanwhile
     box = [choice]
     dist.broadcast_object_list(box, src=0)
