@@ -265,3 +265,54 @@ def _assert_tree_equal(a, b) -> None:
             _assert_tree_equal(x, y)
     else:
         assert a == b
+
+
+def _slow_exchanges(rank: int, world: int, slow: tuple[int, ...]) -> list[str]:
+    """Overlapped FedAvg (E = 1) whose exchanges number ``slow`` (1-based) take 0.6 s more than
+    the 0.1 s of "compute" between a start and its apply; the warnings it gave."""
+    import warnings
+
+    from flcomm.federated.fedavg import FedAvg
+    from flcomm.federated.topology import Topology
+
+    fm = Topology(world, world, group_size=1, shard_size=1).build(hierarchical=False)
+    model = make_model(0, d=64)
+    opt = make_opt(model.parameters(), "adamw", 1e-2)
+    fed = FedAvg(model, fm, sync_every=1, overlap=True)
+    submit, n = fed._engine.submit, [0]
+
+    def delayed(fn, name):
+        n[0] += 1
+        if n[0] not in slow:
+            return submit(fn, name)
+
+        def late(job):
+            time.sleep(0.6)
+            return fn(job)
+        return submit(late, name)
+
+    fed._engine.submit = delayed
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(1, 6):
+            loss_fn(model, *batch(rank, 0, t)).backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.1)
+            fed.step()
+        fed.finish()
+    return [str(w.message) for w in caught if "FedAvg" in str(w.message)]
+
+
+@pytest.mark.parametrize("slow,warned_step", [((1,), None), ((2, 3), 2), ((1, 2, 3, 4), 2)],
+                         ids=["first-exchange-only", "steady-state", "every-exchange"])
+def test_overlap_that_cannot_hide_the_exchange_is_reported_once(slow, warned_step):
+    from tests.dist import run_distributed
+
+    for got in run_distributed(_slow_exchanges, 2, slow, timeout=120):
+        if warned_step is None:  # NOTE: the first exchange allocates its staging and plans
+            assert got == [], got
+        else:
+            assert len(got) == 1, got
+            assert got[0].startswith(f"FedAvg: the exchange of step {warned_step} was still running") and \
+                "raise overlap_steps" in got[0] and "fragments" in got[0], got

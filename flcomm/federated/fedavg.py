@@ -121,6 +121,7 @@ class _Fragment:
     apply_at: int = 0
     sync_step: int = 0
     backup: list[tuple[Tensor, Tensor]] | None = None  # elastic: what the round mutates, as of its start
+    applied: int = 0  # exchanges of this fragment applied in this process
 
 
 def partition(numels: list[int], k: int) -> list[list[int]]:
@@ -366,7 +367,7 @@ class FedAvg:
             if fr.job is not None:
                 fr.job.check()
                 if self.steps >= fr.apply_at:
-                    self._apply(fr)
+                    self._apply(fr, on_time=True)
                     did = True
         for fr in self._frags:
             if (self.steps - fr.offset) % self.sync_every == 0:
@@ -788,11 +789,13 @@ class FedAvg:
         fr.job = self._engine.submit(run, name)
 
     @torch.no_grad()
-    def _apply(self, fr: _Fragment) -> None:
+    def _apply(self, fr: _Fragment, on_time: bool = False) -> None:
         """Steps 4-5 of the module docstring (the outer update ran in the engine, bucket by
-        bucket): wait, agree on a refusal over the federation group, add the overlap correction."""
+        bucket): wait, agree on a refusal over the federation group, add the overlap correction.
+        ``on_time``: applied ``overlap_steps`` after its start (not early by :meth:`finish`)."""
         job, fr.job = fr.job, None
-        if self.overlap and not job.is_completed() and not self._warned_slow:
+        # NOTE: not judged on a fragment's first exchange, which allocates its staging and plans
+        if on_time and self.overlap and fr.applied and not job.is_completed() and not self._warned_slow:
             self._warned_slow = True
             warnings.warn(f"FedAvg: the exchange of step {fr.sync_step} was still running after "
                           f"overlap_steps={self.overlap_steps} steps of compute, so the loop waits for it; "
@@ -804,6 +807,7 @@ class FedAvg:
             res: ExchangeResult = job.wait(self.mesh.timeout * (2 * nb + 2))
         else:
             res = self._settle(fr, job, nb)
+        fr.applied += 1
         ev1 = self._record_event()
         if ev0 is not None:
             self._exposed_events.append((ev0, ev1))
