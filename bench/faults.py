@@ -367,12 +367,12 @@ def run_elastic_fault(phase: str, workdir: str, grace_s: float = 3.0, rejoin: bo
                 if joined is not None and min(_latest_steps(ckpt_dir, groups)) >= joined + ELASTIC_E:
                     res.stopped_at = joined + ELASTIC_E
                     p.send_signal(signal.SIGTERM)
+                    try:
+                        p.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        pass
                     break
             time.sleep(0.05)
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
         if p.poll() is None:
             p.kill()
         p.wait()
