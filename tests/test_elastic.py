@@ -132,6 +132,34 @@ def test_killed_in_the_exchange_then_resume_with_fewer_groups(tmp_path):
     m = read_metrics(metrics)
     assert m.config["start_step"] == 12 and m.config["world_size"] == 6
     assert [s["step"] for s in m.steps] == [13, 14, 15, 16]
+    _refused_before_launch(tmp_path / "ckpt", args)
+
+
+def _refused_before_launch(root, args: list[str]) -> None:
+    """An elastic --resume checks, before launch, the checkpoints it may load: every group's of
+    the newest step (groups 0-2 of step 16 here; group 3's newest is of step 12), and every
+    group's ``latest``, which the ranks read."""
+    from flcomm.train.__main__ import _config, _train_parser
+    from flcomm.train.driver import check_before_launch
+
+    cfg = _config(_train_parser().parse_args([*args, "--resume"]))
+    check_before_launch(cfg, 6)  # intact: accepted
+
+    def flip(path) -> bytes:
+        victim = sorted(p for p in path.iterdir() if p.suffix == ".distcp")[0]
+        raw = victim.read_bytes()
+        victim.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+        return victim.name
+
+    flip(root / "group3" / "step_00000012")  # not a candidate: group 3's is older than step 16
+    check_before_launch(cfg, 6)
+    name = flip(root / "group1" / "step_00000016")
+    with pytest.raises(ValueError, match=f"group1/step_00000016/{name} does not match its SHA-256"):
+        check_before_launch(cfg, 6)
+    flip(root / "group1" / "step_00000016")  # flipped back
+    (root / "group3" / "latest").write_text("garbage\n")
+    with pytest.raises(ValueError, match="group3/latest must name a checkpoint"):
+        check_before_launch(cfg, 6)
 
 
 def test_fewer_groups_than_min_groups_end_the_job(tmp_path):

@@ -400,6 +400,16 @@ def elastic_checkpoint_groups(root: str) -> list[int]:
     return sorted(int(n[5:]) for n in names if n.startswith("group") and n[5:].isdigit())
 
 
+def newest_group_checkpoints(root: str) -> dict[int, tuple[int, str]]:
+    """Every group's newest checkpoint under an elastic run's ``root``: group -> (step, path)."""
+    found = {}
+    for f in elastic_checkpoint_groups(root):
+        path = ckpt.latest_checkpoint(elastic_checkpoint_dir(root, f))
+        if path is not None:
+            found[f] = (int(ckpt.read_meta(path)["step"]), path)
+    return found
+
+
 def _build_model(cfg: TrainConfig, mesh: "FedMesh", device: torch.device) -> tuple[nn.Module, FsdpTraffic]:
     """The model, sharded with FSDP2 over ``mesh`` (hierarchical collectives on request), and
     the counter of FSDP's traffic."""
@@ -581,26 +591,30 @@ def _elastic_source(run: Run) -> tuple[str | None, int, str | None]:
     root = run.cfg.checkpoint_dir
     mine = run.mesh.coords.group
     choice: tuple[str | None, int, str | None] = (None, mine, None)
+    error = None
     if dist.get_rank() == 0:
-        found: dict[int, tuple[int, str]] = {}
-        for f in elastic_checkpoint_groups(root):
-            path = ckpt.latest_checkpoint(elastic_checkpoint_dir(root, f))
-            if path is not None:
-                found[f] = (int(ckpt.read_meta(path)["step"]), path)
-        if found:
-            newest = max(step for step, _ in found.values())
-            src = mine if found.get(mine, (-1, ""))[0] == newest else \
-                min(f for f, (st, _) in found.items() if st == newest)
-            choice = (found[src][1], src, None)
-            if run.cfg.rejoin:
-                into = os.path.join(elastic_checkpoint_dir(root, mine), ckpt.PIN_DIR)
-                shutil.rmtree(into, ignore_errors=True)  # NOTE: a pin a crashed rejoin left
-                pinned = ckpt.pin_latest(elastic_checkpoint_dir(root, src), into)
-                choice = (pinned[1], src, pinned[0]) if pinned is not None else choice
+        try:
+            found = newest_group_checkpoints(root)
+            if found:
+                newest = max(step for step, _ in found.values())
+                src = mine if found.get(mine, (-1, ""))[0] == newest else \
+                    min(f for f, (st, _) in found.items() if st == newest)
+                choice = (found[src][1], src, None)
+                if run.cfg.rejoin:
+                    into = os.path.join(elastic_checkpoint_dir(root, mine), ckpt.PIN_DIR)
+                    shutil.rmtree(into, ignore_errors=True)  # NOTE: a pin a crashed rejoin left
+                    pinned = ckpt.pin_latest(elastic_checkpoint_dir(root, src), into)
+                    choice = (pinned[1], src, pinned[0]) if pinned is not None else choice
+        except (OSError, ValueError, RuntimeError) as e:
+            error = (type(e).__name__, str(e))
     # NOTE: the group's first rank chooses for all: survivors may publish a newer one meanwhile
-    box = [choice]
+    box = [(choice, error)]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    choice, error = box[0]
+    if error is not None:
+        raise (ValueError if error[0] == "ValueError" else RuntimeError)(
+            f"the group's first rank could not choose a checkpoint under {root}: {error[0]}: {error[1]}")
+    return choice
 
 
 def _agree_non_finite(run: Run, step: int) -> None:
@@ -894,11 +908,23 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> Topology:
     tokens = load_tokens(cfg.data, cfg.data_dtype, cfg.max_tokens)
     check_vocab(tokens, mcfg.vocab_size, data_source(cfg.data))
     if cfg.resume and cfg.checkpoint_dir:
-        path = ckpt.latest_checkpoint(cfg.checkpoint_dir)
-        if path is not None:
+        run_meta = {"seed": cfg.seed, "data": data_record(cfg.data, tokens)}
+        for path in _resume_candidates(cfg):
             meta = ckpt.read_meta(path)
-            ckpt.check_compatible(meta, topo, mcfg.to_dict(), path)
-            run_meta = {"seed": cfg.seed, "data": data_record(cfg.data, tokens)}
+            ckpt.check_compatible(meta, topo, mcfg.to_dict(), path, same_group_shape=cfg.elastic)
             ckpt.check_resume(meta, run_meta, path, cfg.allow_data_change)
             ckpt.verify_files(path, meta)
     return topo
+
+
+def _resume_candidates(cfg: TrainConfig) -> list[str]:
+    """The checkpoints a ``--resume`` may load: the newest one; for ``--elastic`` every group's
+    newest of the newest step among the groups (:func:`_elastic_source` picks from these;
+    every group's ``latest`` is read)."""
+    root = cfg.checkpoint_dir
+    if not cfg.elastic:
+        path = ckpt.latest_checkpoint(root)
+        return [] if path is None else [path]
+    found = newest_group_checkpoints(root)
+    newest = max((st for st, _ in found.values()), default=None)
+    return [p for st, p in found.values() if st == newest]
