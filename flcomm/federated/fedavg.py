@@ -799,7 +799,7 @@ class FedAvg:
             self._warned_slow = True
             warnings.warn(f"FedAvg: the exchange of step {fr.sync_step} was still running after "
                           f"overlap_steps={self.overlap_steps} steps of compute, so the loop waits for it; "
-                          "raise overlap_steps (<= sync_every), use fragments or a faster codec", stacklevel=3)
+                          "raise overlap_steps (<= sync_every), use fragments or a faster codec", stacklevel=4)
         t0 = time.perf_counter()
         ev0 = self._record_event()
         nb = fr.exchange.bar.num_buckets if fr.exchange is not None else 0
