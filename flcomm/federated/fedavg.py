@@ -84,6 +84,7 @@ if TYPE_CHECKING:
     from flcomm.federated.topology import FedMesh
 
 STATE_VERSION = 1
+LATE_EXCHANGES = 3  # overlap: this many exchanges in a row still running when due make FedAvg warn
 
 
 _RESIDUAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -122,6 +123,7 @@ class _Fragment:
     sync_step: int = 0
     backup: list[tuple[Tensor, Tensor]] | None = None  # elastic: what the round mutates, as of its start
     applied: int = 0  # exchanges of this fragment applied in this process
+    late: int = 0  # consecutive exchanges still running when they were due (overlap)
 
 
 def partition(numels: list[int], k: int) -> list[list[int]]:
@@ -794,12 +796,16 @@ class FedAvg:
         bucket): wait, agree on a refusal over the federation group, add the overlap correction.
         ``on_time``: applied ``overlap_steps`` after its start (not early by :meth:`finish`)."""
         job, fr.job = fr.job, None
-        # NOTE: not judged on a fragment's first exchange, which allocates its staging and plans
-        if on_time and self.overlap and fr.applied and not job.is_completed() and not self._warned_slow:
-            self._warned_slow = True
-            warnings.warn(f"FedAvg: the exchange of step {fr.sync_step} was still running after "
-                          f"overlap_steps={self.overlap_steps} steps of compute, so the loop waits for it; "
-                          "raise overlap_steps (<= sync_every), use fragments or a faster codec", stacklevel=4)
+        # NOTE: not judged on a fragment's first exchange, which allocates its staging and plans,
+        # and a single late one is jitter
+        if on_time and self.overlap and fr.applied:
+            fr.late = fr.late + 1 if not job.is_completed() else 0
+            if fr.late == LATE_EXCHANGES and not self._warned_slow:
+                self._warned_slow = True
+                warnings.warn(f"FedAvg: the exchanges up to step {fr.sync_step} were still running "
+                              f"{self.overlap_steps} step(s) after they started ({LATE_EXCHANGES} in a row), "
+                              "so the loop waits for them; raise overlap_steps (<= sync_every), use fragments "
+                              "or a faster codec", stacklevel=4)
         t0 = time.perf_counter()
         ev0 = self._record_event()
         nb = fr.exchange.bar.num_buckets if fr.exchange is not None else 0
