@@ -304,18 +304,6 @@ def group_params_equal(ckpt_root: str, groups: list[int], step: int) -> bool:
     return all(all(torch.equal(ref[k], sd[k]) for k in ref) for sd in models)
 
 
-def _latest_steps(ckpt_root: str, groups: list[int]) -> list[int]:
-    """The step of every group's newest checkpoint (-1: none yet)."""
-    from flcomm.train import checkpoint as ckpt
-    from flcomm.train.driver import elastic_checkpoint_dir
-
-    out = []
-    for f in groups:
-        path = ckpt.latest_checkpoint(elastic_checkpoint_dir(ckpt_root, f))
-        out.append(-1 if path is None else int(os.path.basename(path)[5:]))
-    return out
-
-
 def _joined_step(metrics: str) -> int | None:
     """The step of the first membership record that admitted a group, from a metrics file
     being written (None: none yet)."""
@@ -340,6 +328,7 @@ def run_elastic_fault(phase: str, workdir: str, grace_s: float = 3.0, rejoin: bo
     sync one round after group 1 was admitted, whose checkpoints are then compared: how many
     steps the survivors run while group 1 restarts depends on the machine, so ``steps`` only
     caps the run."""
+    from flcomm.train.driver import newest_group_checkpoints
     from flcomm.train.metrics import read_metrics
     from flcomm.train.monitor import read_heartbeat
 
@@ -364,7 +353,9 @@ def run_elastic_fault(phase: str, workdir: str, grace_s: float = 3.0, rejoin: bo
                 t_fault = float(hb["t"])
             if rejoin:
                 joined = joined if joined is not None else _joined_step(metrics)
-                if joined is not None and min(_latest_steps(ckpt_dir, groups)) >= joined + ELASTIC_E:
+                saved = newest_group_checkpoints(ckpt_dir)
+                if joined is not None and len(saved) == len(groups) and \
+                        min(st for st, _ in saved.values()) >= joined + ELASTIC_E:
                     res.stopped_at = joined + ELASTIC_E
                     p.send_signal(signal.SIGTERM)
                     try:

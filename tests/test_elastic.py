@@ -145,7 +145,7 @@ def _refused_before_launch(root, args: list[str]) -> None:
     cfg = _config(_train_parser().parse_args([*args, "--resume"]))
     check_before_launch(cfg, 6)  # intact: accepted
 
-    def flip(path) -> bytes:
+    def flip(path) -> str:
         victim = sorted(p for p in path.iterdir() if p.suffix == ".distcp")[0]
         raw = victim.read_bytes()
         victim.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))

@@ -410,6 +410,14 @@ def newest_group_checkpoints(root: str) -> dict[int, tuple[int, str]]:
     return found
 
 
+def _of_the_newest_step(root: str) -> dict[int, str]:
+    """The groups' newest checkpoints of the newest step among them (what an elastic resume
+    loads): group -> path."""
+    found = newest_group_checkpoints(root)
+    newest = max((st for st, _ in found.values()), default=None)
+    return {f: path for f, (st, path) in found.items() if st == newest}
+
+
 def _build_model(cfg: TrainConfig, mesh: "FedMesh", device: torch.device) -> tuple[nn.Module, FsdpTraffic]:
     """The model, sharded with FSDP2 over ``mesh`` (hierarchical collectives on request), and
     the counter of FSDP's traffic."""
@@ -594,12 +602,10 @@ def _elastic_source(run: Run) -> tuple[str | None, int, str | None]:
     error = None
     if dist.get_rank() == 0:
         try:
-            found = newest_group_checkpoints(root)
-            if found:
-                newest = max(step for step, _ in found.values())
-                src = mine if found.get(mine, (-1, ""))[0] == newest else \
-                    min(f for f, (st, _) in found.items() if st == newest)
-                choice = (found[src][1], src, None)
+            newest = _of_the_newest_step(root)
+            if newest:
+                src = mine if mine in newest else min(newest)
+                choice = (newest[src], src, None)
                 if run.cfg.rejoin:
                     into = os.path.join(elastic_checkpoint_dir(root, mine), ckpt.PIN_DIR)
                     shutil.rmtree(into, ignore_errors=True)  # NOTE: a pin a crashed rejoin left
@@ -925,6 +931,4 @@ def _resume_candidates(cfg: TrainConfig) -> list[str]:
     if not cfg.elastic:
         path = ckpt.latest_checkpoint(root)
         return [] if path is None else [path]
-    found = newest_group_checkpoints(root)
-    newest = max((st for st, _ in found.values()), default=None)
-    return [p for st, p in found.values() if st == newest]
+    return list(_of_the_newest_step(root).values())
