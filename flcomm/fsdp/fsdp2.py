@@ -182,7 +182,8 @@ class ReplicateAllReduceHook:
     hook when ``error_feedback``; the result is copied back.
 
     Use one hook per FSDP module (:func:`apply_all_reduce_hook` does): the residual has the shape
-    of that module's gradient shard.
+    of that module's gradient shard. A non-finite gradient passes through as non-finite (for
+    GradScaler to see and skip), but never stays in the residual: its entries are zeroed.
     """
 
     def __init__(self, transport: Transport, codec: Any = None, op: Any = ReduceOp.AVG,
@@ -221,6 +222,11 @@ class ReplicateAllReduceHook:
                                  "use one hook per FSDP module")
             residual = self.residual
         compressed_all_reduce(self.transport, buf, self.codec, self.op.value, residual=residual)
+        if residual is not None:
+            # NOTE: a non-finite gradient (fp16 overflow, which GradScaler then skips) makes the
+            # residual of its blocks NaN/Inf, and error feedback would add that to every later
+            # gradient. Zero it on the device: no host sync, one pass over the shard.
+            residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         if not exact_f32:
             reduce_output.copy_(buf)
 
