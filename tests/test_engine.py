@@ -133,3 +133,25 @@ def test_cuda_job_is_stream_ordered_without_host_blocking():
     assert job.is_completed()
     assert torch.equal(y, torch.full_like(x, 3.0))
     eng.close()
+
+
+@pytest.mark.gpu
+def test_failed_cuda_job_orders_the_callers_stream_after_its_kernels():
+    """A job that queued kernels and then raised: wait() raises, and the caller's stream is
+    ordered after those kernels (an elastic restore must not race them)."""
+    eng = ProgressEngine("cuda", lane="test-cuda-fail")
+    eng.submit(lambda j: torch.zeros(1, device="cuda"), "warm-up").wait(60)
+    x = torch.ones(1 << 20, device="cuda")
+
+    def run(j):
+        torch.cuda._sleep(500_000_000)  # a long kernel on the communication stream
+        x.mul_(2)
+        raise RuntimeError("the wire broke after queueing")
+
+    job = eng.submit(run, "sleep, double, fail")
+    with pytest.raises(EngineError, match="the wire broke"):
+        job.wait(60)
+    x.add_(1)  # the caller's recovery, on its own stream
+    torch.cuda.synchronize()
+    assert torch.equal(x, torch.full_like(x, 3.0))  # (1 * 2) + 1: after the job's kernels
+    eng.close()

@@ -13,7 +13,7 @@ queues it and returns a :class:`Job`, a :class:`~flcomm.comm.base.Handle`.
 * **CUDA**: the same thread issues the job inside the engine's communication stream, which first
   waits for the point of the caller's stream where the job was submitted; the job's collectives
   wait in a stream-ordered way. ``Job.wait()`` makes the caller's current stream wait on the
-  job's end event, so the training loop never blocks on the wire (only on the host part of a
+  job's end event (recorded whether the job returned or raised), so the training loop never blocks on the wire (only on the host part of a
   job that has not been issued yet).
 
 Errors: an exception raised by a job is kept and re-raised (as :class:`EngineError`, naming the
@@ -95,10 +95,14 @@ class Job:
             else:
                 with torch.cuda.stream(stream):
                     stream.wait_event(self._start_event)
-                    self.result = self._fn(self)
-                    ev = torch.cuda.Event()
-                    ev.record(stream)
-                    self._event = ev
+                    try:
+                        self.result = self._fn(self)
+                    finally:
+                        # NOTE: a failed job may have queued kernels before it raised: the end
+                        # event orders the caller's recovery (an elastic restore) after them
+                        ev = torch.cuda.Event()
+                        ev.record(stream)
+                        self._event = ev
             self.stage = "done"
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             self.error = e
@@ -141,10 +145,10 @@ class Job:
         if not ok:
             raise EngineTimeout(f"rank {self.rank}: {self.name} did not finish within {secs:g} s "
                                 f"(still in stage {self.stage!r})", self.rank, self.name, self.stage)
+        if self._event is not None:  # NOTE: before raising too: see _run
+            torch.cuda.current_stream(self._device).wait_event(self._event)
         if self.error is not None:
             self._raise()
-        if self._event is not None:
-            torch.cuda.current_stream(self._device).wait_event(self._event)
         return self.result
 
 
