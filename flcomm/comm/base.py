@@ -36,6 +36,10 @@ from torch import Tensor
 from flcomm.enums import Choice
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
+# NOTE: the inter-group exchange runs for long stretches over the slowest links, beside
+# compute. A few CTAs move its bytes as fast as such a link allows; NCCL's default would hold
+# up to 32 SMs for the whole transfer.
+EXCHANGE_MAX_CTAS = 4
 
 
 class ReduceOp(Choice, what="reduce op"):

@@ -5,13 +5,16 @@ It is also the reference the native transport and every flcomm collective are te
 
 from __future__ import annotations
 
+import os
+import threading
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flcomm.comm.base import DEFAULT_TIMEOUT, CommStats, LinkTier, ReduceOp, Transport
+from flcomm.comm.base import DEFAULT_TIMEOUT, EXCHANGE_MAX_CTAS, CommStats, LinkTier, ReduceOp, Transport
 
 _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.AVG, ReduceOp.MAX: dist.ReduceOp.MAX}
 
@@ -75,12 +78,45 @@ class TorchTransport(Transport):
         return torch.device("cpu")
 
 
+_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_CLEANUP_ONLY = "2"  # abort the communicator on error or timeout; keep the process
+_ENV_LOCK = threading.Lock()
+
+
+def nccl_options(timeout: timedelta, *, max_ctas: int | None = None,
+                 nonblocking: bool = False) -> "dist.ProcessGroupNCCL.Options":
+    """``ProcessGroupNCCL.Options`` with ``timeout``; ``max_ctas`` caps the CTAs (SMs) each of
+    the group's collectives may hold; ``nonblocking`` makes the communicator's initialization
+    non-blocking, so torch bounds it by ``timeout`` (a blocking init waits forever for a peer
+    that is gone). A field the installed torch does not expose is refused, naming it."""
+    if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas < 1):
+        raise ValueError(f"max_ctas must be a positive integer or None, got {max_ctas!r}")
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    want = {"max_ctas": max_ctas, "blocking": 0 if nonblocking else None}
+    for name, value in want.items():
+        if value is None:
+            continue
+        if not hasattr(opts, "config") or not hasattr(opts.config, name):
+            raise RuntimeError(f"torch {torch.__version__} does not expose ProcessGroupNCCL's config.{name}; "
+                               f"flcomm needs it for the exchange's groups (supported torch: 2.11-2.14)")
+        setattr(opts.config, name, value)
+    return opts
+
+
 def store_group(store: "dist.Store", prefix: str, rank: int, size: int, backend: str,
-                timeout: timedelta) -> "dist.ProcessGroup":
+                timeout: timedelta, *, max_ctas: int | None = EXCHANGE_MAX_CTAS) -> "dist.ProcessGroup":
     """A process group of ``size`` ranks made from ``store`` under ``prefix``, outside
     torch.distributed's registry: only its members take part in creating it (no world-wide
     ``new_group``), and it can be dropped and replaced (elastic federation). ``rank`` is the
-    caller's rank inside the group; every collective carries ``timeout``."""
+    caller's rank inside the group; every collective carries ``timeout``.
+
+    On NCCL the group survives its peers: its communicator is initialized without blocking
+    (bounded by ``timeout``), and an error or a timeout aborts the communicator (ending its
+    kernels) and fails the work instead of killing the process, as torch's default error
+    handling would. The caller finds out from the failed work, then drops the group with
+    :func:`abort_group`. ``max_ctas`` caps the SMs its collectives hold (:func:`nccl_options`).
+    """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if not 0 <= rank < size:
@@ -88,9 +124,30 @@ def store_group(store: "dist.Store", prefix: str, rank: int, size: int, backend:
     ps = dist.PrefixStore(prefix, store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(ps, rank, size, timeout)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    return dist.ProcessGroupNCCL(ps, rank, size, opts)
+    opts = nccl_options(timeout, max_ctas=max_ctas, nonblocking=True)
+    # NOTE: ProcessGroupNCCL reads its error-handling mode from the environment in its
+    # constructor only, so it is set around the construction, under a lock
+    with _ENV_LOCK:
+        before = os.environ.get(_ERROR_HANDLING)
+        os.environ[_ERROR_HANDLING] = _CLEANUP_ONLY
+        try:
+            return dist.ProcessGroupNCCL(ps, rank, size, opts)
+        finally:
+            if before is None:
+                del os.environ[_ERROR_HANDLING]
+            else:
+                os.environ[_ERROR_HANDLING] = before
+
+
+def abort_group(group: Any) -> bool:
+    """Abort ``group`` (a process group from :func:`store_group` that is being replaced): on NCCL
+    this ends its collectives still queued or hung on a dead peer, so nothing keeps spinning on
+    the GPU and the work waiting on them fails. True if the backend could abort."""
+    abort = getattr(group, "abort", None)
+    if abort is None:
+        return False
+    abort()
+    return True
 
 
 class ProcessGroupTransport(TorchTransport):

@@ -40,7 +40,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from flcomm.comm.base import CommStats, LinkTier
-from flcomm.comm.torch_pg import ProcessGroupTransport, store_group
+from flcomm.comm.torch_pg import ProcessGroupTransport, abort_group, store_group
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -155,7 +155,7 @@ class Federation:
         self.coords = self.topology.coords(self.rank)
         self.group = self.coords.group
         self._transport: ProcessGroupTransport | None = None
-        self._retired: list[Any] = []  # NOTE: old groups kept alive: destroying one with a dead peer may block
+        self._retired: list[Any] = []  # aborted, not destroyed (:meth:`_retire`)
         first = Membership(0, tuple(range(F)))
         if not self.rejoin_mode:
             self.membership = self._decide(first)
@@ -341,12 +341,22 @@ class Federation:
         """This generation's transport over this rank's fed peers (created from the store)."""
         members = self.members(self.groups)
         g = self.generation
+        self._retire()
         pg = store_group(self.kv, f"gen{g}/fed{self.coords.index}/", members.index(self.rank), len(members),
                          self.backend, self.timeout)
-        if self._transport is not None:
-            self._retired.append(self._transport)
         self._transport = ProcessGroupTransport(pg, members, self.backend, LinkTier.INTER_GROUP, self.stats,
                                                 self.timeout)
+
+    def _retire(self) -> None:
+        """Abort the previous generation's group before the next is built: on NCCL its
+        collectives may still be hung on a lost peer, holding SMs and the exchange job that
+        waits on them. It is kept (not destroyed): destroying a group with a dead peer may
+        block."""
+        if self._transport is None:
+            return
+        abort_group(self._transport.group)
+        self._retired.append(self._transport)
+        self._transport = None
 
     def _get(self, key: str) -> str | None:
         if not self.kv.check([key]):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from flcomm.comm.base import DEFAULT_TIMEOUT, CommStats, LinkTier
+from flcomm.comm.base import DEFAULT_TIMEOUT, EXCHANGE_MAX_CTAS, CommStats, LinkTier
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from flcomm.comm.torch_pg import TorchTransport
 
 MESH_DIMS = ("fed", "replicate", "shard")
+EXCHANGE_GROUPS = ("fed", "replicate_exchange")  # the FedAvg exchange's groups (:meth:`FedMesh._pg_options`)
 
 
 @dataclass(frozen=True)
@@ -231,14 +232,17 @@ class Topology:
 
     def build(self, device_type: str = "cpu", stats: CommStats | None = None,
               timeout: timedelta = DEFAULT_TIMEOUT, hierarchical: bool = True,
-              group_rank: int | None = None) -> "FedMesh":
+              group_rank: int | None = None, exchange_max_ctas: int | None = EXCHANGE_MAX_CTAS) -> "FedMesh":
         """Create the DeviceMesh and the process groups (collective: every rank calls it).
 
         ``group_rank``: torch.distributed's world is this rank's federation group only (elastic
         federation: each group is its own world) and this is the rank's global rank; the mesh
         then has the group's dims only, and the "fed" dim is left to the federation.
+        ``exchange_max_ctas``: on NCCL, the CTAs (SMs) each collective of the FedAvg exchange's
+        groups may hold (None: NCCL's default); the groups inside a federation group keep NCCL's
+        defaults.
         """
-        return FedMesh(self, device_type, stats, timeout, hierarchical, group_rank)
+        return FedMesh(self, device_type, stats, timeout, hierarchical, group_rank, exchange_max_ctas)
 
 
 class FedMesh:
@@ -254,7 +258,8 @@ class FedMesh:
     """
 
     def __init__(self, topo: Topology, device_type: str, stats: CommStats | None,
-                 timeout: timedelta, hierarchical: bool, group_rank: int | None = None) -> None:
+                 timeout: timedelta, hierarchical: bool, group_rank: int | None = None,
+                 exchange_max_ctas: int | None = EXCHANGE_MAX_CTAS) -> None:
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
@@ -276,6 +281,7 @@ class FedMesh:
         self._own = topo.group_ranks(self.coords.group)
         self.stats = stats if stats is not None else CommStats()
         self.timeout = timeout
+        self.exchange_max_ctas = exchange_max_ctas
         self.group_ranks: dict[str, list[int]] = {}
         dims = MESH_DIMS[1:] if self.group_world else MESH_DIMS
         self.groups: dict[str, dist.ProcessGroup] = {d: self.new_groups(topo.dim_groups(d), d) for d in dims}
@@ -311,10 +317,23 @@ class FedMesh:
             if self.group_world and not set(ranks) <= set(self._own):
                 continue
             local = [self._own.index(r) for r in ranks] if self.group_world else ranks
-            g = dist.new_group(local, timeout=self.timeout, use_local_synchronization=False)
+            g = dist.new_group(local, timeout=self.timeout, use_local_synchronization=False,
+                               pg_options=self._pg_options(name))
             if self.rank in ranks:
                 mine, self.group_ranks[name] = g, list(ranks)
         return mine
+
+    def _pg_options(self, name: str) -> Any:
+        """On NCCL, the exchange's groups (``fed``, ``replicate_exchange``) get the CTA cap
+        (:data:`~flcomm.comm.base.EXCHANGE_MAX_CTAS`): their slow transfers run beside
+        compute. Every other group keeps NCCL's defaults."""
+        import torch.distributed as dist
+
+        from flcomm.comm.torch_pg import nccl_options
+
+        if name not in EXCHANGE_GROUPS or self.exchange_max_ctas is None or dist.get_backend() != "nccl":
+            return None
+        return nccl_options(self.timeout, max_ctas=self.exchange_max_ctas)
 
     def global_ranks(self, ranks: Sequence[int]) -> list[int]:
         """Global ranks of torch.distributed ranks (different only in a group's own world)."""
