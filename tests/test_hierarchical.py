@@ -211,3 +211,61 @@ def test_hierarchical_2x4_and_4x2_match_flat():
         # float32: 3 ops + all-gather, int64: 2 ops + all-gather, per size
         assert [r[shape]["checked"] for r in res] == [len(sizes) * (4 + 3)] * 8
         assert all(e is not None for e in res[0][shape]["errors"])
+
+
+class _Mirror:
+    """A stream-ordered transport of ``size`` ranks that all hold this rank's input (one GPU
+    plays every rank): reduce-scatter sums ``size`` copies of this rank's chunk, all-gather
+    repeats the input. Its kernels run on the caller's stream."""
+
+    def __new__(cls, size: int, rank: int):
+        from flcomm.comm.base import CommStats, LinkTier, Transport
+
+        class Mirror(Transport):
+            _stream_wait = True
+
+            def __init__(self):
+                super().__init__(rank, size, LinkTier.INTRA_NODE, CommStats())
+
+            def _all_reduce(self, t, op):
+                t.mul_(size)
+
+            def _reduce_scatter(self, o, i, op):
+                o.copy_(i.view(size, -1)[rank] * size)
+
+            def _all_gather(self, o, i):
+                o.view(size, -1).copy_(i.view(1, -1).expand(size, -1))
+
+            def _all_to_all(self, o, i):
+                o.copy_(i)
+
+            def _broadcast(self, t, s):
+                return None
+
+            @property
+            def device(self):
+                return torch.device("cuda")
+
+        return Mirror()
+
+
+@pytest.mark.gpu
+def test_cuda_two_stage_collectives_issue_inline_on_the_callers_stream():
+    """With stream-ordered transports, a hierarchical reduce-scatter / all-gather is issued on
+    the caller's stream (no engine job, no host wait) and gives the flat result."""
+    from flcomm.collectives.hierarchical import hierarchical_all_gather, hierarchical_reduce_scatter
+    from flcomm.comm import engine
+
+    N, L, c = 2, 2, 1024
+    intra, inter = _Mirror(L, 1), _Mirror(N, 1)  # group rank n L + l = 1 * 2 + 1 = 3
+    x = torch.randn(N * L * c, device="cuda")
+    out = torch.empty(c, device="cuda")
+    before = set(engine._ENGINES)
+    h = hierarchical_reduce_scatter(out, x, intra, inter, async_op=True)
+    assert h.is_completed()  # nothing left for a host thread: the stream holds the work
+    h.wait()
+    assert torch.equal(out, x.view(N * L, c)[3] * (N * L))  # every rank held x: P copies of chunk 3
+    full = torch.empty(N * L * c, device="cuda")
+    hierarchical_all_gather(full, out, intra, inter)
+    assert torch.equal(full, out.repeat(N * L))
+    assert set(engine._ENGINES) == before, "a hierarchical engine lane was started"

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flcomm.comm.base import ReduceOp, Transport, Work, check_op, check_pair
+from flcomm.comm.base import Done, ReduceOp, Transport, Work, check_op, check_pair
 from flcomm.comm.engine import Job, get_engine
 
 __all__ = [
@@ -100,7 +100,14 @@ def _two_stage(run: "Callable[[Job], Tensor]", name: str, output: Tensor, input:
     without the caller's ``wait()``. Every hierarchical collective with two stages goes through
     the lane (also the blocking ones), so the intra/inter transports see their collectives in
     program order on every rank.
+
+    On CUDA with stream-ordered transports (NCCL) the stream orders the stages: both are issued
+    at once on the caller's stream, with no engine and no host wait (one per FSDP layer
+    otherwise).
     """
+    if output.is_cuda and intra._stream_wait and inter._stream_wait:
+        run(_Inline())
+        return Done(output) if async_op else output
     engine = get_engine(output.device, "hierarchical")
     if engine.stream is not None:
         for t in (output, input):
@@ -110,6 +117,12 @@ def _two_stage(run: "Callable[[Job], Tensor]", name: str, output: Tensor, input:
         return job
     job.wait(intra.timeout + inter.timeout)  # NOTE: each stage is bounded by its own
     return output
+
+
+class _Inline:
+    """The ``job`` of a two-stage collective issued on the caller's stream (only its stage)."""
+
+    stage = "issued inline"
 
 
 def _check_hierarchy(intra: Transport, inter: Transport) -> tuple[int, int]:
