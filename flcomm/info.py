@@ -79,3 +79,25 @@ def format_info(info: dict[str, Any]) -> str:
             v = ", ".join(map(str, v)) if v else "(none)"
         lines.append(f"{k:<{width}}  {v}")
     return "\n".join(lines)
+
+
+# what each feature of ``missing_features`` needs from ``build_info()``
+FEATURES = {
+    "native": lambda i: i["native"] and bool(i["cpu_kernels"]),
+    "cuda": lambda i: i["cuda_compiled"] and bool(i["cuda_kernels"]),
+    "nccl": lambda i: i["nccl_compiled"] is not None,
+}
+
+
+def missing_features(required: str | list[str], info: dict[str, Any] | None = None) -> list[str]:
+    """The features of ``required`` (names of :data:`FEATURES`, or a comma-separated string as
+    in ``FLCOMM_REQUIRE=native,cuda,nccl``) that this build lacks, each as a sentence saying why.
+    An unknown name is a ValueError."""
+    names = [n.strip() for n in required.split(",")] if isinstance(required, str) else list(required)
+    names = [n for n in names if n]
+    unknown = sorted(set(names) - set(FEATURES))
+    if unknown:
+        raise ValueError(f"unknown flcomm feature(s) {unknown}; expected some of {sorted(FEATURES)}")
+    info = build_info() if info is None else info
+    why = info.get("native_error") or "flcomm._C was built without it"
+    return [f"{n}: not in this build ({why})" for n in names if not FEATURES[n](info)]

@@ -1,5 +1,20 @@
+import os
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """``FLCOMM_REQUIRE=native,cuda,nccl`` (CI sets it per job): a build without one of them
+    fails the run at once, instead of passing with the modules that need it skipped."""
+    required = os.environ.get("FLCOMM_REQUIRE", "")
+    if not required.strip():
+        return
+    from flcomm.info import missing_features
+
+    missing = missing_features(required)
+    if missing:
+        raise pytest.UsageError("FLCOMM_REQUIRE=" + required + ", but this flcomm lacks: " + "; ".join(missing))
 
 
 def pytest_collection_modifyitems(config, items):
