@@ -269,6 +269,42 @@ def test_crafted_state_file_is_not_executed(scenario, tmp_path):
     assert not os.path.exists("/tmp/flcomm-pwned")
 
 
+def test_crafted_dcp_metadata_is_not_executed(scenario, tmp_path):
+    """DCP's .metadata replaced by a pickle that runs a command, with meta.json rewritten to
+    match: every rank refuses it in one line naming the file, and the command never runs."""
+    import pickle
+
+    _, root = scenario
+    path = ckpt.latest_checkpoint(_copy_ckpt(root, tmp_path))
+    if os.path.exists("/tmp/flcomm-pwned"):
+        os.remove("/tmp/flcomm-pwned")
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump({"Metadata": _Boom()}, f)
+    _rehash(path, ".metadata")
+    with pytest.raises(ValueError) as pre:
+        ckpt.verify_files(path, ckpt.read_meta(path))  # what the driver checks before launch
+    out = run_distributed(_load_rank_state, 4, path, timeout=240)
+    for msg in [str(pre.value)] + out:
+        assert msg == (f"checkpoint file {os.path.join(path, '.metadata')} holds posix.system, which is not part "
+                       "of DCP's metadata: refused, since loading it could run code"), msg
+    assert not os.path.exists("/tmp/flcomm-pwned")
+
+
+def test_dcp_metadata_of_this_torch_reads_with_the_allow_list(scenario):
+    """Every type in the metadata DCP writes (this torch: CI runs 2.11 and 2.14) is allowed, and
+    the restricted read equals pickle's own."""
+    import pickle
+
+    _, root = scenario
+    for name in ("a", "b"):
+        path = ckpt.latest_checkpoint(os.path.join(root, name))
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            want = pickle.load(f)
+        got = ckpt.read_dcp_metadata(path)
+        assert got.state_dict_metadata == want.state_dict_metadata
+        assert got.storage_data == want.storage_data
+
+
 def test_resume_refuses_other_data_or_seed(scenario, tmp_path):
     _, root = scenario
     a_dir = os.path.join(root, "a")

@@ -21,9 +21,10 @@ What is saved:
     data is refused, and a corrupt file is named, before anything is loaded.
 
 Loading never unpickles arbitrary objects: the rank state and DCP's non-tensor items load with
-``torch.load(weights_only=True)``. DCP's own ``.metadata`` file is a pickle that DCP reads
-itself, and a hash in meta.json detects corruption, not tampering: a checkpoint directory
-must be trusted like code.
+``torch.load(weights_only=True)``, and DCP's own ``.metadata`` pickle with an unpickler that
+allows only the types DCP's metadata is made of (:func:`read_dcp_metadata`; checked before
+launch too). The hashes in meta.json detect corruption; they prove nothing against someone
+who can rewrite meta.json as well.
 
 Atomicity: every rank writes into ``.tmp-<name>``; after a barrier the ranks hash their files,
 rank 0 writes meta.json, renames the directory to ``<name>`` and then replaces ``latest``. A
@@ -37,6 +38,7 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import re
 import shutil
 from collections.abc import Callable
@@ -168,7 +170,62 @@ def verify_files(path: str, meta: dict[str, Any], part: tuple[int, int] = (0, 1)
                              "truncated or overwritten")
         if _sha256(f) != want[name].get("sha256"):
             raise ValueError(f"checkpoint file {f} does not match its SHA-256 in meta.json: the file is corrupt")
+        if name == DCP_METADATA:
+            read_dcp_metadata(path)
     return None
+
+
+DCP_METADATA = ".metadata"
+# NOTE: what DCP's .metadata pickle is made of (torch 2.11-2.14, pinned by a test on both); a
+# hash in meta.json proves integrity, not trust, so nothing else is unpickled
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_GLOBALS.get(module, ()) or (module == "torch" and isinstance(
+                getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def read_dcp_metadata(path: str) -> Any:
+    """DCP's metadata of checkpoint ``path``, unpickled with only the types DCP's metadata is
+    made of (a ValueError of one line names the file and what else it held)."""
+    f = os.path.join(path, DCP_METADATA)
+    try:
+        with open(f, "rb") as fh:
+            return _MetadataUnpickler(fh).load()
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"checkpoint file {f} holds {e}, which is not part of DCP's metadata: refused, "
+                         "since loading it could run code") from None
+    except (EOFError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"checkpoint file {f} is not DCP metadata: {type(e).__name__}: {e}") from None
+
+
+def _safe_reader(path: str) -> Any:
+    """DCP's file-system reader, reading the metadata with :func:`read_dcp_metadata`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = read_dcp_metadata(path)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return _SafeReader(path)
 
 
 def _to_local(obj: Any) -> Any:
@@ -410,7 +467,7 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, group: i
     verify(path, meta)
     rank = dist.get_rank() if dist.is_initialized() else 0
     sd = _state(model, optimizer, group)
-    dcp.load(sd, checkpoint_id=path, planner=_safe_planner())
+    dcp.load(sd, storage_reader=_safe_reader(path), planner=_safe_planner())
     g = sd[f"group{group}"]
     set_model_state_dict(model, g["model"])
     set_optimizer_state_dict(model, optimizer, g["optim"])
