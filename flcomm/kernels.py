@@ -80,12 +80,17 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+MAX_BLOCK_SIZE = 1 << 20  # NOTE: a scale per block; a larger block only loses precision
+
+
 def check_format(fmt: str, block_size: int) -> None:
-    """Raise ValueError unless ``fmt`` is a known format and ``block_size`` a positive int."""
+    """Raise ValueError unless ``fmt`` is a known format and ``block_size`` an int in
+    [1, MAX_BLOCK_SIZE]."""
     if fmt not in FORMATS:
         raise ValueError(f"quantization format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be an int in [1, {MAX_BLOCK_SIZE}] (elements per scale), "
+                         f"got {block_size!r}")
 
 
 def num_blocks(numel: int, block_size: int) -> int:

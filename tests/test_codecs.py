@@ -4,6 +4,7 @@ the format's error bound; the layout (payload and scales in one buffer) read bac
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -34,8 +35,11 @@ def test_registry_names_and_errors():
         get_codec("int4")
     with pytest.raises(TypeError, match="codec must be a name"):
         get_codec(8)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="block_size must be a positive int"):
-        get_codec("int8", block_size=0)
+    for bad in (0, 2**40, 2**63, True, 256.0):
+        with pytest.raises(ValueError, match=rf"block_size must be an int in \[1, 1048576\] \(elements per scale\), "
+                                             rf"got {re.escape(repr(bad))}"):
+            get_codec("int8", block_size=bad)
+    assert get_codec("int8", block_size=1 << 20).block_size == 1 << 20
 
 
 def test_register_a_new_codec_in_one_class():

@@ -111,6 +111,9 @@ def test_builtin_corpus_and_user_files(tmp_path):
     np.save(tmp_path / "f.npy", np.zeros(10, dtype=np.float32))
     with pytest.raises(ValueError, match="must be integers"):
         load_tokens(str(tmp_path / "f.npy"))
+    np.save(tmp_path / "m.npy", ids[:100].reshape(10, 10))
+    with pytest.raises(ValueError, match=r"m.npy holds an array of shape \(10, 10\); expected a 1-D array of token ids"):
+        load_tokens(str(tmp_path / "m.npy"))
 
 
 # ----------------------------------------------------------------------- config and inputs

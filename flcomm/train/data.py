@@ -102,7 +102,8 @@ def load_tokens(path: str | None = None, dtype: str | None = None, max_tokens: i
         if path.endswith(".npy"):
             arr = np.load(path, mmap_mode="r", allow_pickle=False)
             if arr.ndim != 1:
-                arr = arr.reshape(-1)
+                raise ValueError(f"{src} holds an array of shape {arr.shape}; expected a 1-D array of token ids "
+                                 "(one stream: save arr.reshape(-1) if its rows follow one another)")
         elif path.endswith(".bin"):
             dt = np.dtype(dtype or "uint16")
             size = os.path.getsize(path)
