@@ -29,6 +29,8 @@ import sys
 
 from setuptools import find_packages, setup
 
+LICENSE = "Apache-2.0"
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -68,6 +70,18 @@ def find_cuda_home() -> str | None:
     except OSError:
         pass
     return None
+
+
+def license_metadata() -> dict[str, str]:
+    """The license, in the field this setuptools takes (pyproject declares it dynamic).
+
+    NOTE: setuptools >= 77 wants an SPDX expression, older ones refuse a string
+    ``project.license`` in pyproject.toml (the GPU machine's setuptools is not ours to choose).
+    """
+    import setuptools
+
+    major = int(setuptools.__version__.split(".")[0])
+    return {"license_expression": LICENSE} if major >= 77 else {"license": LICENSE}
 
 
 def find_nccl() -> tuple[str, str] | None:
@@ -225,4 +239,5 @@ if __name__ == "__main__":  # NOTE: importable (tests ask for nvcc_flags / ptx_c
         packages=find_packages(include=["flcomm", "flcomm.*"]),
         ext_modules=ext_modules,
         cmdclass={"build_ext": build_ext},
+        **license_metadata(),
     )
