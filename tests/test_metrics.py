@@ -49,6 +49,13 @@ def test_a_broken_line_names_the_file_and_line(tmp_path):
         read_metrics(str(path))
 
 
+def test_a_binary_file_names_the_file(tmp_path):
+    path = tmp_path / "m.png"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe" * 10)
+    with pytest.raises(ValueError, match=r"m\.png is not a metrics file: it is not UTF-8 text \(invalid start byte\)"):
+        read_metrics(str(path))
+
+
 def test_perplexity():
     assert perplexity(0.0) == 1.0
     assert perplexity(math.log(7.0)) == pytest.approx(7.0)

@@ -87,6 +87,17 @@ def test_heldout_split_and_eval_batches():
         ShardedLoader(toks[:100], 64, 1, 4, 0)
 
 
+@pytest.mark.parametrize("nbytes,why", [(12, "dataset of 12 tokens is too small to hold out"),
+                                        (6000, "each of the 4 data slices has 498 tokens, fewer than one window of seq_len \\+ 1 = 1001")])
+def test_a_dataset_too_small_is_refused_before_launch(tmp_path, nbytes, why):
+    from flcomm.train.driver import check_before_launch
+
+    p = tmp_path / "small.txt"
+    p.write_bytes(bytes(range(97, 123)) * (nbytes // 26) + b"x" * (nbytes % 26))
+    with pytest.raises(ValueError, match=why):
+        check_before_launch(TrainConfig(data=str(p), eval_fraction=0.01, batch_size=1, seq_len=1000), 4)
+
+
 def test_builtin_corpus_and_user_files(tmp_path):
     a, b = builtin_corpus(1 << 20), builtin_corpus(1 << 20)
     assert a.dtype == np.uint8 and len(a) == 1 << 20
@@ -112,7 +123,7 @@ def test_builtin_corpus_and_user_files(tmp_path):
     with pytest.raises(ValueError, match="must be integers"):
         load_tokens(str(tmp_path / "f.npy"))
     np.save(tmp_path / "m.npy", ids[:100].reshape(10, 10))
-    with pytest.raises(ValueError, match=r"m.npy holds an array of shape \(10, 10\); expected a 1-D array of token ids"):
+    with pytest.raises(ValueError, match=r"m.npy' holds an array of shape \(10, 10\); expected a 1-D array of token ids"):
         load_tokens(str(tmp_path / "m.npy"))
 
 

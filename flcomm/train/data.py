@@ -217,6 +217,15 @@ def slice_bounds(n: int, num_slices: int, index: int) -> tuple[int, int]:
     return index * per, (index + 1) * per
 
 
+def check_slices(n: int, num_slices: int, seq_len: int) -> None:
+    """ValueError unless each of ``num_slices`` equal slices of ``n`` train tokens holds one
+    window of ``seq_len + 1`` tokens (the driver checks it before launch, the loader again)."""
+    per = n // num_slices
+    if per < seq_len + 1:
+        raise ValueError(f"each of the {num_slices} data slices has {per} tokens, fewer than one window of "
+                         f"seq_len + 1 = {seq_len + 1}; use a bigger dataset, a shorter --seq-len or fewer ranks")
+
+
 class ShardedLoader:
     """Batches of ``[batch_size, seq_len]`` inputs and next-token targets from one slice.
 
@@ -240,11 +249,8 @@ class ShardedLoader:
         self.seq_len, self.batch_size = seq_len, batch_size
         self.slice_index, self.seed, self.shuffle = slice_index, seed, shuffle
         self.device = torch.device(device)
+        check_slices(len(tokens), num_slices, seq_len)
         self.n_windows = (len(self.tokens) - 1) // seq_len
-        if self.n_windows < 1:
-            raise ValueError(f"each of the {num_slices} data slices has {len(self.tokens)} tokens, "
-                             f"fewer than one window of seq_len + 1 = {seq_len + 1}; use a bigger "
-                             "dataset, a shorter --seq-len or fewer ranks")
         self.position = 0
         self._perm_epoch = -1
         self._perm: np.ndarray | None = None

@@ -41,13 +41,15 @@ from flcomm.federated.outer import Outer
 from flcomm.federated.strategy import Strategy
 from flcomm.federated.topology import Topology
 from flcomm.train import checkpoint as ckpt
-from flcomm.train.data import (BUILTIN_CORPUS, ShardedLoader, check_vocab, data_record, data_source, eval_batches,
-                               fingerprint, load_tokens, split_tokens)
+from flcomm.train.data import (BUILTIN_CORPUS, ShardedLoader, Split, check_slices, check_vocab, data_record,
+                               data_source, eval_batches, fingerprint, load_tokens, split_tokens)
 from flcomm.train.metrics import FsdpTraffic, MetricsWriter, TierCounter, perplexity
 from flcomm.train.model import PRESETS, Transformer, build_model, get_config, lm_loss
 from flcomm.train.monitor import Monitor
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from flcomm.federated.elastic import Federation
     from flcomm.federated.topology import FedMesh
 
@@ -453,6 +455,14 @@ def _build_model(cfg: TrainConfig, mesh: "FedMesh", device: torch.device) -> tup
     return model, FsdpTraffic(units, mesh, mp.param_dtype, mp.reduce_dtype, count_shard_dim=not hierarchical)
 
 
+def _split(cfg: TrainConfig, tokens: "np.ndarray", P: int) -> Split:
+    """The train / held-out split of ``tokens`` for P ranks; each rank's train slice checked to
+    hold a window."""
+    split = split_tokens(tokens, cfg.eval_fraction, P * cfg.batch_size * (cfg.seq_len + 1) + P)
+    check_slices(len(split.train), P, cfg.seq_len)
+    return split
+
+
 def _build_data(cfg: TrainConfig, mesh: "FedMesh", device: torch.device):
     """This rank's loader (slice ``group * G + index`` of P), its held-out batches, and the
     data record a checkpoint keeps (:func:`flcomm.train.data.data_record`)."""
@@ -462,7 +472,7 @@ def _build_data(cfg: TrainConfig, mesh: "FedMesh", device: torch.device):
     check_vocab(tokens, cfg.model_config().vocab_size, data_source(cfg.data))
     _startup_barrier(cfg)
     _check_same_data(fingerprint(tokens), device)
-    split = split_tokens(tokens, cfg.eval_fraction, P * cfg.batch_size * (cfg.seq_len + 1) + P)
+    split = _split(cfg, tokens, P)
     index = coords.group * topo.group_size + coords.index
     loader = ShardedLoader(split.train, cfg.seq_len, cfg.batch_size, P, index, cfg.seed, device=device)
     held = eval_batches(split.heldout, cfg.seq_len, cfg.batch_size, cfg.eval_batches, P, index)
@@ -913,6 +923,7 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> Topology:
     mcfg = cfg.model_config()
     tokens = load_tokens(cfg.data, cfg.data_dtype, cfg.max_tokens)
     check_vocab(tokens, mcfg.vocab_size, data_source(cfg.data))
+    _split(cfg, tokens, world_size)
     if cfg.resume and cfg.checkpoint_dir:
         run_meta = {"seed": cfg.seed, "data": data_record(cfg.data, tokens)}
         for path in _resume_candidates(cfg):

@@ -106,8 +106,8 @@ def read_metrics(path: str) -> RunMetrics:
     by_step: dict[int, dict[str, Any]] = {}
     summary = None
     membership: list[dict[str, Any]] = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(_lines(f, path), 1):
             line = line.strip()
             if not line:
                 continue
@@ -124,6 +124,14 @@ def read_metrics(path: str) -> RunMetrics:
             elif "step" in rec:
                 by_step[int(rec["step"])] = rec
     return RunMetrics(path, config, [by_step[k] for k in sorted(by_step)], summary, membership)
+
+
+def _lines(f: Any, path: str) -> Any:
+    """The lines of text file ``f``; a ValueError names ``path`` if it is not UTF-8."""
+    try:
+        yield from f
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not a metrics file: it is not UTF-8 text ({e.reason})") from None
 
 
 def perplexity(loss: float) -> float:
