@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <sstream>
 #include <system_error>
@@ -683,22 +684,23 @@ std::shared_ptr<NcclWork> NcclComm::group_end() {
     // which issued one ncclGroupStart: reporting an error before it would leave this thread inside
     // NCCL's group, where every later NCCL call on the thread (torch's too) is deferred forever.
     // An abort during the group was deferred (abort_locked), so the ncclComm is still valid here.
-    const ncclResult_t res = ncclGroupEnd();
+    std::exception_ptr end_error;
+    try {
+      FLCOMM_NCCL_CHECK(ncclGroupEnd(), st.comm);
+    } catch (const std::exception&) {
+      end_error = std::current_exception();
+    }
     if (outermost && --st.open_groups == 0 && st.abort_deferred) {
       abort_locked(st, st.abort_reason);  // NOTE: the deferred ncclCommAbort, after ncclGroupEnd
     }
     check_alive_locked(st, what.c_str());
-    if (res != ncclSuccess && res != ncclInProgress) {
-      std::ostringstream os;
-      os << what << ": ncclGroupEnd failed on the " << where(st) << ": " << ncclGetErrorString(res);
-      const char* last = ncclGetLastError(st.comm);
-      if (last != nullptr && last[0] != '\0') os << " (" << last << ")";
+    if (end_error) {
+      // NOTE: as in launch(): an argument error leaves the communicator usable, an asynchronous one not
       ncclResult_t state = ncclSuccess;
       if (ncclCommGetAsyncError(st.comm, &state) == ncclSuccess && state != ncclSuccess && state != ncclInProgress) {
-        os << "; the communicator was aborted";
-        abort_locked(st, os.str());
+        abort_locked(st, async_message_locked(st, state, what));
       }
-      throw std::runtime_error(os.str());
+      std::rethrow_exception(end_error);
     }
     if (!outermost) return nullptr;
   }
