@@ -28,7 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cuda_runtime_version", &flcomm::cuda_runtime_version);
 
   // [nccl communicator]
-  // nccl_comm.h. Calls that wait (init, split, wait, collectives, destroy) release the GIL.
+  // nccl_comm.h. Every call that may wait, for peers, the GPU or the communicator's mutex (which
+  // an abort holds until NCCL has freed it), releases the GIL; the flags are atomics.
   {
     namespace py = pybind11;
     using flcomm::NcclComm;
@@ -40,8 +41,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "ncclGetUniqueId(): the 128 bytes rank 0 shares with the other ranks (needs no GPU)");
     py::class_<NcclWork, std::shared_ptr<NcclWork>>(m, "NcclWork")
         .def("wait", &NcclWork::wait, py::arg("timeout_s") = -1.0, nogil())
-        .def("is_completed", &NcclWork::is_completed)
-        .def("stream_wait", &NcclWork::stream_wait);
+        .def("is_completed", &NcclWork::is_completed, nogil())
+        .def("stream_wait", &NcclWork::stream_wait, nogil());
     py::class_<NcclComm, std::shared_ptr<NcclComm>>(m, "NcclComm")
         .def(py::init<const std::string&, int, int, int, double>(), py::arg("unique_id"), py::arg("nranks"),
              py::arg("rank"), py::arg("device"), py::arg("timeout_s") = 300.0, nogil())
@@ -52,9 +53,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("all_gather", &NcclComm::all_gather, py::arg("output"), py::arg("input"), nogil())
         .def("all_to_all", &NcclComm::all_to_all, py::arg("output"), py::arg("input"), nogil())
         .def("broadcast", &NcclComm::broadcast, py::arg("tensor"), py::arg("root") = 0, nogil())
-        .def("group_start", &NcclComm::group_start)
+        .def("group_start", &NcclComm::group_start, nogil())
         .def("group_end", &NcclComm::group_end, nogil())
-        .def("abort", &NcclComm::abort)
+        .def("abort", &NcclComm::abort, nogil())
         .def("destroy", &NcclComm::destroy, nogil())
         .def_property_readonly("rank", &NcclComm::rank)
         .def_property_readonly("size", &NcclComm::size)
@@ -63,5 +64,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_property_readonly("is_aborted", &NcclComm::is_aborted)
         .def_property_readonly("is_destroyed", &NcclComm::is_destroyed)
         .def("__repr__", &NcclComm::repr);
+    m.def("nccl_group_depth", &flcomm::nccl_group_depth,
+          "How many NcclComm.group_start() blocks are open on the calling thread (needs no GPU)");
+    auto t = m.def_submodule("_testing", "host-logic hooks of the NCCL communicator, for tests without a GPU");
+    t.def("unattached_comm", &flcomm::testing::unattached_comm, py::arg("rank"), py::arg("size"));
+    t.def("nccl_thread_in_group", &flcomm::testing::nccl_thread_in_group);
+    t.def("nccl_reduction", &flcomm::testing::nccl_reduction, py::arg("op"), py::arg("nranks"));
   }
 }

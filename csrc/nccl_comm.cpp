@@ -14,10 +14,14 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <sstream>
+#include <system_error>
 #include <thread>
 #endif
 
@@ -38,11 +42,17 @@ struct NcclCommState {
   int size = 0;
   int device = 0;
   double timeout_s = 300.0;
-  bool aborted = false;
-  bool destroyed = false;
+  // NOTE: atomic so that is_aborted / is_destroyed / repr read them without the mutex, which an
+  // abort may hold for as long as the work queued ahead of it takes to drain.
+  std::atomic<bool> aborted{false};
+  std::atomic<bool> destroyed{false};
   std::string abort_reason;
-  // NOTE: guards `comm` and the flags: wait() runs without the GIL and abort() may come from
-  // another thread; NCCL must never see a comm that another thread is freeing.
+  // Threads with an open group of this communicator, and whether an abort waits for them (see
+  // abort_locked).
+  int open_groups = 0;
+  bool abort_deferred = false;
+  // NOTE: guards `comm` and the fields above: wait() runs without the GIL and abort() may come
+  // from another thread; NCCL must never see a comm that another thread is freeing.
   std::mutex mu;
 
   ~NcclCommState();
@@ -95,19 +105,57 @@ std::string where(const NcclCommState& st) {
   return os.str();
 }
 
-// Caller holds st.mu. Idempotent.
+// ncclCommAbort on a thread of its own; `detach`: return at once instead of joining it.
+// NOTE: two reasons for the thread. (1) NCCL's groups are per thread and ncclCommAbort runs inside
+// one (ncclGroupStartInternal / EndInternal): on a thread inside an open group (flcomm's, torch's or
+// the caller's) the abort would join that group and run, freeing the communicator, only at its
+// ncclGroupEnd. A new thread is outside every group. (2) The abort synchronizes NCCL's streams
+// (commReclaim -> commDestroySync), i.e. it returns only once the work queued on the launch stream
+// ahead of the communicator's kernels has run: a destructor must not wait for that, so it detaches.
+// Its result is deliberately dropped: the communicator is gone whatever it returns, and a failed
+// abort must not hide the error that caused it.
+void nccl_abort(ncclComm_t comm, int device, bool detach) noexcept {
+  if (comm == nullptr) return;
+  auto body = [comm, device]() noexcept {
+    (void)cudaSetDevice(device);  // NOTE: this thread's own current device
+    (void)ncclCommAbort(comm);
+    (void)cudaGetLastError();
+  };
+  try {
+    std::thread t(body);
+    if (detach) {
+      t.detach();
+    } else {
+      t.join();
+    }
+  } catch (const std::system_error& e) {
+    if (!detach) {  // NOTE: no thread to spare: abort here (correct outside any group)
+      body();
+      return;
+    }
+    std::fprintf(stderr, "flcomm: could not start a thread to abort a dropped NCCL communicator (%s); "
+                         "its resources are leaked. Call destroy() or abort() before dropping it.\n",
+                 e.what());
+  }
+}
+
+// Caller holds st.mu. Idempotent. Marks the communicator aborted at once; the ncclCommAbort waits
+// while a group of it is open on some thread, and runs at that group's end (group_end).
+// NOTE: the open group links the ncclComm in that thread's NCCL group state; freeing it first would
+// leave ncclGroupEnd touching freed memory.
 void abort_locked(NcclCommState& st, const std::string& reason) {
-  if (st.comm != nullptr && !st.aborted && !st.destroyed) {
-    c10::cuda::CUDAGuard guard(st.device);
-    // NOTE: the communicator is gone whatever abort returns; a failed abort must not hide the
-    // error that caused it, so its result is deliberately not raised.
-    (void)ncclCommAbort(st.comm);
-    st.comm = nullptr;
+  if (st.destroyed) return;
+  if (!st.aborted) st.abort_reason = reason;
+  st.aborted = true;
+  if (st.comm == nullptr) return;
+  if (st.open_groups > 0) {
+    st.abort_deferred = true;
+    return;
   }
-  if (!st.destroyed) {
-    st.aborted = true;
-    if (st.abort_reason.empty()) st.abort_reason = reason;
-  }
+  ncclComm_t comm = st.comm;
+  st.comm = nullptr;
+  st.abort_deferred = false;
+  nccl_abort(comm, st.device, /*detach=*/false);
 }
 
 void check_alive_locked(const NcclCommState& st, const char* what) {
@@ -195,13 +243,29 @@ ncclDataType_t nccl_dtype(at::ScalarType t, const std::string& what) {
   return ncclFloat32;  // unreachable
 }
 
-ncclRedOp_t nccl_op(const std::string& op, const std::string& what) {
+// The NCCL reduction flcomm issues for `op` on `nranks` ranks.
+// NOTE: avg over one rank is the input itself, and flcomm issues it as sum, which NCCL runs as a
+// copy for every dtype. NCCL's own one-rank avg is a PreMulSum kernel (x * 1/1) whose fp8 variants
+// are compiled out of NCCL's host code (onerank.cu guards them with __CUDA_ARCH__ >= 900, undefined
+// on the host), so fp8 avg on one rank would fail with ncclInvalidArgument; the kernel also
+// canonicalizes NaN payloads where a copy keeps them. On two or more ranks avg stays NCCL's avg.
+ncclRedOp_t nccl_op(const std::string& op, int nranks, const std::string& what) {
   if (op == "sum") return ncclSum;
-  if (op == "avg") return ncclAvg;
+  if (op == "avg") return nranks == 1 ? ncclSum : ncclAvg;
   if (op == "max") return ncclMax;
   if (op == "min") return ncclMin;
   TORCH_CHECK(false, what, ": op must be one of sum, avg, max, min; got '", op, "'");
   return ncclSum;  // unreachable
+}
+
+const char* nccl_op_name(ncclRedOp_t op) {
+  switch (op) {
+    case ncclSum: return "sum";
+    case ncclAvg: return "avg";
+    case ncclMax: return "max";
+    case ncclMin: return "min";
+    default: return "other";
+  }
 }
 
 void check_tensor(const NcclCommState& st, const at::Tensor& t, const char* name, const std::string& what) {
@@ -221,24 +285,37 @@ void check_pair(const NcclCommState& st, const at::Tensor& out, const at::Tensor
 
 // NOTE: NCCL groups are per thread (ncclGroupStart/End nest per calling thread, and torch's
 // ProcessGroupNCCL calls the same libnccl), so the open group is thread-local state, not the
-// communicator's. One group holds the ops of one communicator, launched on one stream.
+// communicator's. One group holds the ops of one communicator, launched on one stream. The group
+// keeps its communicator's state alive until it ends (its destructor would abort the ncclComm
+// that this thread's NCCL group still links).
 struct ThreadGroup {
   int depth = 0;
-  const NcclCommState* comm = nullptr;  // the communicator of the open group
+  std::shared_ptr<NcclCommState> comm;  // the communicator of the open group
   std::shared_ptr<NcclEvent> event;     // recorded at the outermost group_end()
   bool has_stream = false;              // whether an op was launched in the group yet
   cudaStream_t stream = nullptr;        // the stream of the group's ops
 };
 thread_local ThreadGroup tl_group;
 
-bool in_group_of(const NcclCommState& st) { return tl_group.depth > 0 && tl_group.comm == &st; }
+// Every op: refused when a group of another communicator is open on this thread.
+void check_group_owner(const NcclCommState& st, const std::string& what) {
+  const ThreadGroup& g = tl_group;
+  TORCH_CHECK(g.depth == 0 || g.comm.get() == &st, what,
+              ": a group_start() of another communicator is open on this thread; a group holds the ops of "
+              "one communicator (NCCL groups are per thread): call its group_end() first");
+}
 
-// Inside an open group: checks that an op of `st` on `stream` may join it.
-void check_group_launch(const NcclCommState& st, cudaStream_t stream, const std::string& what) {
+// Calls that NCCL would fold into this thread's open group (init, split, finalize): refused.
+void check_no_group(const std::string& what) {
+  TORCH_CHECK(tl_group.depth == 0, what, ": not allowed while a group_start() is open on this thread (",
+              tl_group.depth, " open); NCCL would join it to the group and run it only at the group's end: "
+              "call group_end() first");
+}
+
+// Inside an open group: checks that an op on `stream` may join it.
+void check_group_stream(cudaStream_t stream, const std::string& what) {
   const ThreadGroup& g = tl_group;
   if (g.depth == 0) return;
-  TORCH_CHECK(g.comm == &st, what, ": a group_start() of another communicator is open on this thread; a group ",
-              "holds the ops of one communicator (NCCL groups are per thread): call its group_end() first");
   TORCH_CHECK(!g.has_stream || g.stream == stream, what, ": the ops of one group must launch on one CUDA stream; ",
               "the group's first op used stream ", static_cast<const void*>(g.stream), ", this one ",
               static_cast<const void*>(stream));
@@ -261,15 +338,12 @@ void record_streams(const std::vector<at::Tensor>& tensors, const c10::cuda::CUD
 NcclCommState::~NcclCommState() {
   // NOTE: never throws and never waits. destroy() is the clean shutdown (finalize, bounded by the
   // timeout). Getting here with a live communicator means destroy() was not called: typically
-  // Python's GC dropping the last reference with the GIL held, where a finalize could poll for up
-  // to the timeout (300 s) and stall every thread. ncclCommAbort returns without waiting for
-  // peers or queued work.
-  if (comm == nullptr || aborted || destroyed) return;
-  try {
-    c10::cuda::CUDAGuard guard(device);
-    (void)ncclCommAbort(comm);
-  } catch (...) {
-  }
+  // Python's GC dropping the last reference with the GIL held, where a finalize would poll for up
+  // to the timeout and even ncclCommAbort waits for the work queued ahead of the communicator's
+  // kernels (it synchronizes NCCL's streams). So the abort runs on a detached thread; the
+  // communicator's memory is freed once that work has drained.
+  if (comm == nullptr || destroyed) return;
+  nccl_abort(comm, device, /*detach=*/true);
   comm = nullptr;
   destroyed = true;
 }
@@ -357,6 +431,7 @@ bool NcclWork::wait(double timeout_s) {
 NcclComm::NcclComm(std::shared_ptr<NcclCommState> state) : st_(std::move(state)) {}
 
 NcclComm::NcclComm(const std::string& unique_id, int nranks, int rank, int device, double timeout_s) {
+  check_no_group("NcclComm init");
   TORCH_CHECK(unique_id.size() == NCCL_UNIQUE_ID_BYTES, "NcclComm: unique_id must be ", NCCL_UNIQUE_ID_BYTES,
               " bytes (from nccl_unique_id() on rank 0), got ", unique_id.size());
   TORCH_CHECK(nranks >= 1, "NcclComm: nranks must be >= 1, got ", nranks);
@@ -386,7 +461,7 @@ NcclComm::NcclComm(const std::string& unique_id, int nranks, int rank, int devic
   try {
     FLCOMM_NCCL_CHECK(ncclCommInitRankConfig(&st->comm, nranks, id, rank, &config), nullptr);
   } catch (...) {
-    if (st->comm != nullptr) (void)ncclCommAbort(st->comm);
+    nccl_abort(st->comm, device, /*detach=*/false);
     st->comm = nullptr;
     st->aborted = true;
     throw;
@@ -401,7 +476,7 @@ NcclComm::~NcclComm() = default;  // NOTE: NcclCommState's destructor shuts NCCL
 std::shared_ptr<NcclComm> NcclComm::split(int color, int key, double timeout_s) {
   NcclCommState& st = *st_;
   if (timeout_s < 0) timeout_s = st.timeout_s;
-  TORCH_CHECK(!in_group_of(st), "NcclComm.split: not allowed inside group_start()/group_end()");
+  check_no_group("NcclComm.split");
   auto cst = std::make_shared<NcclCommState>();
   cst->device = st.device;
   cst->timeout_s = timeout_s;
@@ -451,7 +526,7 @@ std::shared_ptr<NcclWork> launch(const std::shared_ptr<NcclCommState>& sp, const
   c10::cuda::CUDAGuard guard(st.device);
   const c10::cuda::CUDAStream cstream = c10::cuda::getCurrentCUDAStream(st.device);
   const cudaStream_t stream = cstream.stream();
-  check_group_launch(st, stream, what);
+  check_group_stream(stream, what);
   {
     std::lock_guard<std::mutex> lock(st.mu);
     check_alive_locked(st, what.c_str());
@@ -483,9 +558,10 @@ std::shared_ptr<NcclWork> launch(const std::shared_ptr<NcclCommState>& sp, const
 
 std::shared_ptr<NcclWork> NcclComm::all_reduce(const at::Tensor& tensor, const std::string& op) {
   const std::string what = "NcclComm.all_reduce";
+  check_group_owner(*st_, what);
   check_tensor(*st_, tensor, "tensor", what);
   ncclDataType_t dt = nccl_dtype(tensor.scalar_type(), what);
-  ncclRedOp_t rop = nccl_op(op, what);
+  ncclRedOp_t rop = nccl_op(op, st_->size, what);
   void* ptr = tensor.data_ptr();
   size_t count = tensor.numel();
   return launch(st_, what, {tensor}, [&](ncclComm_t comm, cudaStream_t stream) {
@@ -496,11 +572,12 @@ std::shared_ptr<NcclWork> NcclComm::all_reduce(const at::Tensor& tensor, const s
 std::shared_ptr<NcclWork> NcclComm::reduce_scatter(const at::Tensor& output, const at::Tensor& input,
                                                    const std::string& op) {
   const std::string what = "NcclComm.reduce_scatter";
+  check_group_owner(*st_, what);
   check_pair(*st_, output, input, what);
   TORCH_CHECK(input.numel() == output.numel() * st_->size, what, ": input must have size * output.numel() = ",
               st_->size, " * ", output.numel(), " = ", output.numel() * st_->size, " elements, got ", input.numel());
   ncclDataType_t dt = nccl_dtype(input.scalar_type(), what);
-  ncclRedOp_t rop = nccl_op(op, what);
+  ncclRedOp_t rop = nccl_op(op, st_->size, what);
   const void* in = input.data_ptr();
   void* out = output.data_ptr();
   size_t count = output.numel();
@@ -511,6 +588,7 @@ std::shared_ptr<NcclWork> NcclComm::reduce_scatter(const at::Tensor& output, con
 
 std::shared_ptr<NcclWork> NcclComm::all_gather(const at::Tensor& output, const at::Tensor& input) {
   const std::string what = "NcclComm.all_gather";
+  check_group_owner(*st_, what);
   check_pair(*st_, output, input, what);
   TORCH_CHECK(output.numel() == input.numel() * st_->size, what, ": output must have size * input.numel() = ",
               st_->size, " * ", input.numel(), " = ", input.numel() * st_->size, " elements, got ", output.numel());
@@ -525,6 +603,7 @@ std::shared_ptr<NcclWork> NcclComm::all_gather(const at::Tensor& output, const a
 
 std::shared_ptr<NcclWork> NcclComm::all_to_all(const at::Tensor& output, const at::Tensor& input) {
   const std::string what = "NcclComm.all_to_all";
+  check_group_owner(*st_, what);
   check_pair(*st_, output, input, what);
   const int n = st_->size;
   TORCH_CHECK(output.numel() == input.numel(), what, ": output and input must have one size, got ",
@@ -554,6 +633,7 @@ std::shared_ptr<NcclWork> NcclComm::all_to_all(const at::Tensor& output, const a
 
 std::shared_ptr<NcclWork> NcclComm::broadcast(const at::Tensor& tensor, int root) {
   const std::string what = "NcclComm.broadcast";
+  check_group_owner(*st_, what);
   check_tensor(*st_, tensor, "tensor", what);
   TORCH_CHECK(root >= 0 && root < st_->size, what, ": root must be a rank in [0, ", st_->size, "), got ", root);
   ncclDataType_t dt = nccl_dtype(tensor.scalar_type(), what);
@@ -567,16 +647,17 @@ std::shared_ptr<NcclWork> NcclComm::broadcast(const at::Tensor& tensor, int root
 void NcclComm::group_start() {
   NcclCommState& st = *st_;
   ThreadGroup& g = tl_group;
-  TORCH_CHECK(g.depth == 0 || g.comm == &st, "NcclComm.group_start: a group of another communicator is open on ",
-              "this thread (NCCL groups are per thread): call its group_end() first");
+  TORCH_CHECK(g.depth == 0 || g.comm.get() == &st, "NcclComm.group_start: a group of another communicator is ",
+              "open on this thread (NCCL groups are per thread): call its group_end() first");
   std::lock_guard<std::mutex> lock(st.mu);
   check_alive_locked(st, "NcclComm.group_start");
   FLCOMM_NCCL_CHECK(ncclGroupStart(), st.comm);
   if (g.depth++ == 0) {
-    g.comm = &st;
+    g.comm = st_;
     g.event = std::make_shared<NcclEvent>(st.device);
     g.has_stream = false;
     g.stream = nullptr;
+    ++st.open_groups;
   }
 }
 
@@ -585,28 +666,49 @@ std::shared_ptr<NcclWork> NcclComm::group_end() {
   const std::string what = "NcclComm.group_end";
   ThreadGroup& g = tl_group;
   TORCH_CHECK(g.depth > 0, what, ": no open group on this thread (call group_start() first)");
-  TORCH_CHECK(g.comm == &st, what, ": the open group belongs to another communicator");
-  c10::cuda::CUDAGuard guard(st.device);
-  // NOTE: the event goes on the stream the group's ops launched on, not on whatever stream is
-  // current now; a group without ops records on the current stream.
-  const cudaStream_t stream = g.has_stream ? g.stream : c10::cuda::getCurrentCUDAStream(st.device).stream();
+  TORCH_CHECK(g.comm.get() == &st, what, ": the open group belongs to another communicator");
   const bool outermost = g.depth == 1;
   std::shared_ptr<NcclEvent> event;
+  const bool has_stream = g.has_stream;
+  const cudaStream_t group_stream = g.stream;
+  --g.depth;
+  if (outermost) {
+    event = std::move(g.event);
+    g.comm.reset();  // NOTE: st_ keeps the state alive for the rest of this call
+    g.has_stream = false;
+    g.stream = nullptr;
+  }
   {
     std::lock_guard<std::mutex> lock(st.mu);
-    // NOTE: the thread's depth drops first, as NCCL's does with ncclGroupEnd, so an error below
-    // does not leave this thread inside a group forever.
-    --g.depth;
-    if (outermost) {
-      event = std::move(g.event);
-      g.comm = nullptr;
-      g.has_stream = false;
+    // NOTE: ncclGroupEnd runs whatever happened to the communicator since group_start(), each of
+    // which issued one ncclGroupStart: reporting an error before it would leave this thread inside
+    // NCCL's group, where every later NCCL call on the thread (torch's too) is deferred forever.
+    // An abort during the group was deferred (abort_locked), so the ncclComm is still valid here.
+    std::exception_ptr end_error;
+    try {
+      FLCOMM_NCCL_CHECK(ncclGroupEnd(), st.comm);
+    } catch (const std::exception&) {
+      end_error = std::current_exception();
+    }
+    if (outermost && --st.open_groups == 0 && st.abort_deferred) {
+      abort_locked(st, st.abort_reason);  // NOTE: the deferred ncclCommAbort, after ncclGroupEnd
     }
     check_alive_locked(st, what.c_str());
-    FLCOMM_NCCL_CHECK(ncclGroupEnd(), st.comm);
+    if (end_error) {
+      // NOTE: as in launch(): an argument error leaves the communicator usable, an asynchronous one not
+      ncclResult_t state = ncclSuccess;
+      if (ncclCommGetAsyncError(st.comm, &state) == ncclSuccess && state != ncclSuccess && state != ncclInProgress) {
+        abort_locked(st, async_message_locked(st, state, what));
+      }
+      std::rethrow_exception(end_error);
+    }
     if (!outermost) return nullptr;
   }
   await_ready(st, what, st.timeout_s);
+  c10::cuda::CUDAGuard guard(st.device);
+  // NOTE: the event goes on the stream the group's ops launched on, not on whatever stream is
+  // current now; a group without ops records on the current stream.
+  const cudaStream_t stream = has_stream ? group_stream : c10::cuda::getCurrentCUDAStream(st.device).stream();
   event->record(stream);
   return std::make_shared<NcclWork>(st_, std::move(event), std::vector<at::Tensor>{});
 }
@@ -618,15 +720,17 @@ void NcclComm::abort() {
 
 void NcclComm::destroy() {
   NcclCommState& st = *st_;
+  const std::string what = "NcclComm.destroy";
   {
     std::lock_guard<std::mutex> lock(st.mu);
     if (st.destroyed) return;
-    if (st.aborted) {  // NOTE: ncclCommAbort already freed everything
+    check_no_group(what);
+    TORCH_CHECK(st.open_groups == 0, what, ": a group of the ", where(st), " is open on another thread ",
+                "(call its group_end() first)");
+    if (st.aborted) {  // NOTE: ncclCommAbort already freed everything (no group defers it here)
       st.destroyed = true;
       return;
     }
-    TORCH_CHECK(!in_group_of(st), "NcclComm.destroy: a group is open (call group_end() first)");
-    c10::cuda::CUDAGuard guard(st.device);
     try {
       FLCOMM_NCCL_CHECK(ncclCommFinalize(st.comm), st.comm);
     } catch (const std::exception& e) {
@@ -650,20 +754,44 @@ int NcclComm::rank() const { return st_->rank; }
 int NcclComm::size() const { return st_->size; }
 int NcclComm::device() const { return st_->device; }
 double NcclComm::timeout() const { return st_->timeout_s; }
-bool NcclComm::is_aborted() const {
-  std::lock_guard<std::mutex> lock(st_->mu);
-  return st_->aborted;
-}
-bool NcclComm::is_destroyed() const {
-  std::lock_guard<std::mutex> lock(st_->mu);
-  return st_->destroyed;
-}
+bool NcclComm::is_aborted() const { return st_->aborted; }
+bool NcclComm::is_destroyed() const { return st_->destroyed; }
 std::string NcclComm::repr() const {
   std::ostringstream os;
   os << "NcclComm(rank=" << st_->rank << ", size=" << st_->size << ", device=cuda:" << st_->device
      << (is_aborted() ? ", aborted" : "") << (is_destroyed() ? ", destroyed" : "") << ")";
   return os.str();
 }
+
+int nccl_group_depth() { return tl_group.depth; }
+
+namespace testing {
+
+std::shared_ptr<NcclComm> unattached_comm(int rank, int size) {
+  TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "unattached_comm: need 0 <= rank < size, got rank ", rank,
+              " size ", size);
+  auto st = std::make_shared<NcclCommState>();
+  st->rank = rank;
+  st->size = size;
+  return std::make_shared<NcclComm>(std::move(st));
+}
+
+bool nccl_thread_in_group() {
+  // NOTE: NCCL has no query for it: ncclGroupEnd outside a group returns ncclInvalidUsage (and
+  // touches nothing); inside one it leaves one level, which ncclGroupStart restores.
+  const ncclResult_t res = ncclGroupEnd();
+  if (res == ncclInvalidUsage) return false;
+  FLCOMM_NCCL_CHECK(res, nullptr);
+  FLCOMM_NCCL_CHECK(ncclGroupStart(), nullptr);
+  return true;
+}
+
+std::string nccl_reduction(const std::string& op, int nranks) {
+  TORCH_CHECK(nranks >= 1, "nccl_reduction: nranks must be >= 1, got ", nranks);
+  return nccl_op_name(nccl_op(op, nranks, "nccl_reduction"));
+}
+
+}  // namespace testing
 
 #else  // !FLCOMM_WITH_NCCL: same names, every call says how to get NCCL
 
@@ -716,6 +844,12 @@ double NcclComm::timeout() const { no_nccl(); }
 bool NcclComm::is_aborted() const { no_nccl(); }
 bool NcclComm::is_destroyed() const { no_nccl(); }
 std::string NcclComm::repr() const { no_nccl(); }
+int nccl_group_depth() { return 0; }
+namespace testing {
+std::shared_ptr<NcclComm> unattached_comm(int, int) { no_nccl(); }
+bool nccl_thread_in_group() { no_nccl(); }
+std::string nccl_reduction(const std::string&, int) { no_nccl(); }
+}  // namespace testing
 
 #endif  // FLCOMM_WITH_NCCL
 

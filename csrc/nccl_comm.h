@@ -68,7 +68,8 @@ class NcclComm {
   std::shared_ptr<NcclComm> split(int color, int key, double timeout_s = -1.0);
 
   // Collectives, launched on the current CUDA stream of the communicator's device. `op` is
-  // "sum", "avg", "max" or "min". Every check runs before anything is issued. The tensors are
+  // "sum", "avg", "max" or "min"; avg over a one-rank communicator is the input itself, issued as
+  // sum (a copy) for every dtype (nccl_comm.cpp nccl_op). Every check runs before anything is issued. The tensors are
   // recorded on the launch stream with the caching allocator (recordStream). Inside a
   // group_start()/group_end() block the returned work completes with the block's group_end().
   std::shared_ptr<NcclWork> all_reduce(const at::Tensor& tensor, const std::string& op);
@@ -81,17 +82,28 @@ class NcclComm {
   std::shared_ptr<NcclWork> broadcast(const at::Tensor& tensor, int root);
 
   // Groups are per thread, as NCCL's: a group holds the ops of this communicator only, all on
-  // one stream (other communicators or streams are rejected before anything is issued).
+  // one stream (other communicators or streams are rejected before anything is issued; so are
+  // init, split and destroy while any group is open on the thread, which NCCL would fold into it).
+  // NOTE: NCCL's group state is the thread's, shared by every NCCL user in the process: a
+  // torch.distributed NCCL collective issued on this thread inside the block joins the group
+  // (ncclGroupCommJoin) and is launched only at group_end(), so its Work reports completion of
+  // nothing. flcomm cannot see torch's calls; nccl_group_depth() lets Python refuse them.
   void group_start();
   // Ends the innermost block; the outermost one launches the block and returns its work, whose
-  // event is recorded on the stream of the group's ops (nullptr for an inner one).
+  // event is recorded on the stream of the group's ops (nullptr for an inner one). ncclGroupEnd
+  // always runs, so the thread leaves NCCL's group even when this throws (e.g. the communicator
+  // was aborted during the block).
   std::shared_ptr<NcclWork> group_end();
 
-  // ncclCommAbort: drops outstanding work; the communicator is unusable afterwards.
+  // ncclCommAbort: drops outstanding work; the communicator is unusable afterwards. Returns once
+  // NCCL has freed it, which waits for the work queued on the launch streams ahead of its kernels
+  // (run without the GIL). While a group of it is open on some thread the communicator is marked
+  // aborted at once and the ncclCommAbort runs at that group's end.
   void abort();
   // ncclCommFinalize (bounded by the timeout, else abort) + ncclCommDestroy. Idempotent. A
-  // communicator dropped without destroy() is aborted (never finalized) by its destructor, which
-  // neither waits nor throws.
+  // communicator dropped without destroy() is aborted (never finalized) by its destructor, on a
+  // detached thread: the destructor neither waits nor throws, and NCCL frees the communicator once
+  // the work queued ahead of it has run.
   void destroy();
 
   int rank() const;
@@ -107,5 +119,20 @@ class NcclComm {
  private:
   std::shared_ptr<NcclCommState> st_;
 };
+
+// How many group_start() blocks are open on the calling thread (0 without NCCL). Needs no GPU.
+int nccl_group_depth();
+
+// Host-logic hooks for tests on machines without a GPU (bound as flcomm._C._testing).
+namespace testing {
+// A communicator with no ncclComm behind it (rank and size only): group_start / group_end /
+// abort / the checks run, and a collective fails at its tensor checks.
+std::shared_ptr<NcclComm> unattached_comm(int rank, int size);
+// Whether the calling thread is inside an NCCL group (ncclGroupStart without its ncclGroupEnd).
+// Probes with ncclGroupEnd + ncclGroupStart: call it only with no ops queued in the group.
+bool nccl_thread_in_group();
+// The NCCL reduction ("sum", "avg", ...) flcomm issues for `op` on `nranks` ranks.
+std::string nccl_reduction(const std::string& op, int nranks);
+}  // namespace testing
 
 }  // namespace flcomm

@@ -198,25 +198,37 @@ __global__ void dequant_blocks_kernel(const uint8_t* __restrict__ q, const float
 
 // ---- casts (bf16, fp16): V = 8 elements per thread (two float4 in, one 16-byte word out) ----
 template <Fmt F>
-__device__ __forceinline__ uint16_t cast_elem(float y, float& d) {
-  if constexpr (F == Fmt::kBf16) {
-    const c10::BFloat16 h(y);
-    d = static_cast<float>(h);
-    return h.x;
-  } else {
-    const c10::Half h(y);
-    d = static_cast<float>(h);
-    return h.x;
-  }
-}
-
-template <Fmt F>
 __device__ __forceinline__ float uncast_elem(uint16_t b) {
   if constexpr (F == Fmt::kBf16) {
     return static_cast<float>(c10::BFloat16(b, c10::BFloat16::from_bits()));
   } else {
     return static_cast<float>(c10::Half(b, c10::Half::from_bits()));
   }
+}
+
+// NOTE: a NaN gets the CPU's NaN bits (common.h kBf16NaNBits / kFp16NaNBits), not CUDA's 0x7fff,
+// so the encoded bytes are the CPU's bit for bit.
+template <Fmt F>
+__device__ __forceinline__ uint16_t nan_bits(float y) {
+  if constexpr (F == Fmt::kBf16) {
+    return kBf16NaNBits;
+  } else {
+    return static_cast<uint16_t>(((__float_as_uint(y) >> 16) & kFp16SignBit) | kFp16NaNBits);
+  }
+}
+
+template <Fmt F>
+__device__ __forceinline__ uint16_t cast_elem(float y, float& d) {
+  uint16_t bits;
+  if (isnan(y)) {
+    bits = nan_bits<F>(y);
+  } else if constexpr (F == Fmt::kBf16) {
+    bits = c10::BFloat16(y).x;
+  } else {
+    bits = c10::Half(y).x;
+  }
+  d = uncast_elem<F>(bits);
+  return bits;
 }
 
 template <Fmt F, bool kEF, int V>

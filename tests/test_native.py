@@ -205,14 +205,27 @@ def test_transport_rejects_wrong_device_before_native_calls():
 
 def test_non_blocking_wait_orders_the_stream_instead_of_the_host():
     """Issue 9 item 8: wait() of a blocking transport blocks the host (NcclWork.wait); of a
-    non-blocking one it makes the current stream wait (NcclWork.stream_wait), and nothing else."""
-    for blocking, expect in ((True, "wait"), (False, "stream_wait")):
+    non-blocking one it makes the current stream wait (NcclWork.stream_wait), and nothing else.
+    Non-blocking is the default, of the constructor and of from_group."""
+    import inspect
+
+    for blocking, expect in ((None, "stream_wait"), (True, "wait"), (False, "stream_wait")):
         comm = RecordingComm(2)
-        t = NcclTransport(comm, LinkTier.INTER_NODE, device=torch.device("cpu"), blocking_wait=blocking)
+        kw = {} if blocking is None else {"blocking_wait": blocking}
+        t = NcclTransport(comm, LinkTier.INTER_NODE, device=torch.device("cpu"), **kw)
         t.all_reduce(torch.zeros(4))
         t.all_gather(torch.zeros(8), torch.zeros(4), async_op=True).wait()
         waits = [c[0] for c in comm.calls if c[0] in ("wait", "stream_wait")]
         assert waits == [expect, expect], (blocking, comm.calls)
+    assert inspect.signature(NcclTransport.from_group).parameters["blocking_wait"].default is False
+
+
+def test_barrier_blocks_the_host_even_when_waits_do_not():
+    """barrier() is a host barrier whatever blocking_wait says (a stream-ordered wait is none)."""
+    comm = RecordingComm(2)
+    t = NcclTransport(comm, device=torch.device("cpu"))
+    t.barrier()
+    assert [c[0] for c in comm.calls] == ["all_reduce", "wait"], comm.calls
 
 
 def test_default_device_is_local_rank_and_checked(monkeypatch):

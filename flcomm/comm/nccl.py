@@ -19,18 +19,27 @@ Steps of :meth:`NcclTransport.from_group`:
      polled until every rank has joined or the timeout has passed.
 
 Streams (as torch's ProcessGroupNCCL): every launch goes on the caller's current stream and
-records its tensors with the caching allocator; ``wait()`` of a blocking transport blocks the host
-(with the timeout), of a non-blocking one makes the *current* stream wait on the launch's event.
+records its tensors with the caching allocator. By default ``wait()`` makes the *current* stream
+wait on the launch's event and returns without blocking the host (``Work.wait()`` of torch's NCCL
+backend); ``blocking_wait=True`` blocks the host instead, bounded by the timeout.
+
+Groups (:meth:`NcclTransport.group`): NCCL's group state belongs to the calling thread and is
+shared by every NCCL user in the process, torch's ProcessGroupNCCL included. A torch.distributed
+NCCL collective issued on the thread inside an open flcomm group joins that group
+(``ncclGroupCommJoin``): it is launched only when the group ends, and its ``Work`` completes before
+anything ran. flcomm refuses what it can tell: init, split and destroy inside a group, a collective
+of another communicator, and (:func:`check_no_open_group`) any caller that asks before it issues.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
-
-import os
 
 import torch
 from torch import Tensor
@@ -69,12 +78,35 @@ def _seconds(timeout: timedelta | float) -> float:
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
+def open_group_depth() -> int:
+    """How many flcomm NCCL groups (``NcclComm.group_start()``) are open on the calling thread;
+    0 where flcomm has no NCCL. Needs no GPU."""
+    if not _native.available():
+        return 0
+    return int(_native.native().nccl_group_depth())
+
+
+def check_no_open_group(what: str) -> None:
+    """RuntimeError when a flcomm NCCL group is open on this thread.
+
+    For callers about to issue an NCCL operation flcomm does not own (a torch.distributed
+    collective): NCCL would fold it into the open group (``ncclGroupCommJoin``), launch it only at
+    the group's end, and its ``Work`` would complete before anything ran.
+    """
+    depth = open_group_depth()
+    if depth:
+        raise RuntimeError(f"{what}: {depth} flcomm NCCL group(s) are open on this thread; an NCCL operation "
+                           "issued now would join the group and run only at its end. Issue it before the "
+                           "group starts or after it ends")
+
+
 class _NativeHandle:
     """Adapts a native ``NcclWork`` to the handle protocol of :class:`flcomm.comm.base.Work`.
 
     ``blocking_wait=False``: ``wait`` makes the caller's current stream wait on the launch's
     event and returns without blocking the host (torch's NCCL ``Work.wait()``); it raises at once
-    if the communicator has already reported an error.
+    if the communicator has already reported an error. ``True``: it blocks the host until the GPU
+    has finished, bounded by ``timeout``.
     """
 
     def __init__(self, work: Any, blocking_wait: bool) -> None:
@@ -84,11 +116,11 @@ class _NativeHandle:
     def is_completed(self) -> bool:
         return bool(self._work.is_completed())
 
-    def wait(self, timeout: timedelta | float) -> bool:
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
         if not self._blocking:
             self._work.stream_wait()
             return True
-        return bool(self._work.wait(_seconds(timeout)))
+        return bool(self._work.wait(-1.0 if timeout is None else _seconds(timeout)))
 
 
 class NcclTransport(Transport):
@@ -99,17 +131,22 @@ class NcclTransport(Transport):
             ``device``).
         tier: the links this communicator crosses (for the statistics).
         stats: shared statistics (default: a new :class:`CommStats`).
-        timeout: bound of every ``wait`` (default 300 s).
-        blocking_wait: ``wait()`` blocks the host until the GPU has finished, with the timeout
-            (default). False: ``wait()`` makes the current stream wait on the work and returns at
-            once; time statistics then measure the issue only, and a hang is not detected.
+        timeout: bound of every blocking ``wait`` and of the communicator's own waits (init,
+            split, destroy; default 300 s).
+        blocking_wait: False (default): ``wait()`` makes the current CUDA stream wait on the work
+            and returns at once, as torch's NCCL ``Work.wait()``; kernels queued after it run
+            after the collective, the host never blocks. Time statistics then measure the issue
+            only, and a peer that never comes is detected only by a bounded wait
+            (``blocking_wait=True``, or the native work's ``wait(timeout)``). True: ``wait()``
+            blocks the host until the GPU has finished, bounded by ``timeout``; on timeout the
+            communicator is aborted and ``flcomm._C.NcclTimeoutError`` raised.
         device: the device tensors must be on (default ``cuda:<comm.device>``).
     """
 
     name = "nccl"
 
     def __init__(self, comm: Any, tier: LinkTier | str = LinkTier.INTRA_NODE, stats: CommStats | None = None,
-                 timeout: timedelta = DEFAULT_TIMEOUT, blocking_wait: bool = True,
+                 timeout: timedelta = DEFAULT_TIMEOUT, blocking_wait: bool = False,
                  device: torch.device | None = None) -> None:
         super().__init__(int(comm.rank), int(comm.size), LinkTier(tier), stats, timeout)
         self.comm = comm
@@ -119,10 +156,11 @@ class NcclTransport(Transport):
     @classmethod
     def from_group(cls, group: dist.ProcessGroup | None = None, tier: LinkTier | str = LinkTier.INTRA_NODE,
                    stats: CommStats | None = None, timeout: timedelta = DEFAULT_TIMEOUT,
-                   device: int | torch.device | None = None, blocking_wait: bool = True) -> NcclTransport:
+                   device: int | torch.device | None = None, blocking_wait: bool = False) -> NcclTransport:
         """Create one communicator over ``group`` (None: the default group); collective.
 
-        ``device``: this rank's CUDA device (default: :func:`default_device`).
+        ``device``: this rank's CUDA device (default: :func:`default_device`); ``blocking_wait``:
+        see the class.
         """
         import torch.distributed as dist
 
@@ -154,35 +192,73 @@ class NcclTransport(Transport):
         self.comm.destroy()
 
     def abort(self) -> None:
-        """Drop outstanding work and free the communicator at once (ncclCommAbort)."""
+        """Drop outstanding work and free the communicator (ncclCommAbort). Returns once NCCL has
+        freed it, after the work queued ahead of its kernels; releases the GIL meanwhile."""
         self.comm.abort()
 
+    @contextmanager
+    def group(self) -> Iterator[None]:
+        """Fuse the collectives issued inside the block into one NCCL launch (ncclGroupStart /
+        ncclGroupEnd), e.g. the sends and receives of several all_to_all.
+
+        Steps: 1. ``group_start()`` on this thread; 2. the block issues collectives of this
+        transport with ``async_op=True`` (a blocking call inside is refused: it would wait for a
+        launch that happens only at the block's end); 3. ``group_end()`` launches them, also when
+        the block raised; wait on the handles after the block.
+
+        NOTE: NCCL's group is the calling thread's, shared with torch: a torch.distributed NCCL
+        collective issued on this thread inside the block joins the group (``ncclGroupCommJoin``),
+        runs only at its end, and its ``Work`` reports completion before anything ran. flcomm
+        refuses the collectives of another communicator, init, split and destroy inside the
+        block; :func:`check_no_open_group` lets other callers refuse theirs.
+        """
+        self.comm.group_start()
+        try:
+            yield
+        except BaseException:
+            try:
+                self.comm.group_end()
+            except Exception:  # noqa: BLE001 - NOTE: the block's error is the one to report; the
+                pass           # thread has left NCCL's group either way (group_end always ends it)
+            raise
+        self.comm.group_end()
+
+    def barrier(self) -> None:
+        """Blocks the host until every rank has reached it (bounded by the timeout), whatever
+        ``blocking_wait`` says: a stream-ordered wait would not make it a barrier."""
+        t = torch.zeros(1, device=self.device)
+        self._run("all_reduce", 0, lambda: _NativeHandle(self.comm.all_reduce(t, "sum"), True), t, False)
+
     # ---- the protocol: device checks first, so nothing is issued or counted for bad input ----
-    def _check_device(self, **tensors: Tensor) -> None:
+    def _check_device(self, async_op: bool = True, **tensors: Tensor) -> None:
+        if not async_op and open_group_depth():
+            raise RuntimeError(f"{type(self).__name__}: a blocking collective inside an open NCCL group would "
+                               "wait for a launch that happens only at the group's end; issue it with "
+                               "async_op=True and wait after the group")
         for name, t in tensors.items():
             if isinstance(t, Tensor) and t.device != self._device:
                 raise ValueError(f"{type(self).__name__}: {name} must be on {self._device} (the "
                                  f"communicator's device), got {t.device}")
 
     def all_reduce(self, tensor: Tensor, op: Any = ReduceOp.SUM, async_op: bool = False) -> Work | Tensor:
-        self._check_device(tensor=tensor)
+        self._check_device(async_op, tensor=tensor)
         return super().all_reduce(tensor, op, async_op)
 
     def reduce_scatter(self, output: Tensor, input: Tensor, op: Any = ReduceOp.SUM,
                        async_op: bool = False) -> Work | Tensor:
-        self._check_device(output=output, input=input)
+        self._check_device(async_op, output=output, input=input)
         return super().reduce_scatter(output, input, op, async_op)
 
     def all_gather(self, output: Tensor, input: Tensor, async_op: bool = False) -> Work | Tensor:
-        self._check_device(output=output, input=input)
+        self._check_device(async_op, output=output, input=input)
         return super().all_gather(output, input, async_op)
 
     def all_to_all(self, output: Tensor, input: Tensor, async_op: bool = False) -> Work | Tensor:
-        self._check_device(output=output, input=input)
+        self._check_device(async_op, output=output, input=input)
         return super().all_to_all(output, input, async_op)
 
     def broadcast(self, tensor: Tensor, src: int = 0, async_op: bool = False) -> Work | Tensor:
-        self._check_device(tensor=tensor)
+        self._check_device(async_op, tensor=tensor)
         return super().broadcast(tensor, src, async_op)
 
     # ---- implementations: one native call each ----
