@@ -203,3 +203,18 @@ def test_ok_needs_most_gpu_tests_to_pass_and_an_all_skip_run_fails(tmp_path):
     assert not s["ok"] and "7 GPU tests passed, 8 needed" in s["reasons"][0]
     s = _summary_of(tmp_path / "c", ["skipped"] * 10, 10)
     assert not s["ok"] and s["tests"]["passed"] == 0
+
+
+def test_a_bench_without_records_is_not_ok(tmp_path):
+    work = tmp_path / "w"
+    work.mkdir()
+    (work / "steps.jsonl").write_text(json.dumps({"step": "bench_kernels", "rc": 0, "seconds": 1}) + "\n")
+    (work / "bench_kernels.json").write_text("[]")
+    s = gpu_summary.summarize(str(work), 420, 10)
+    assert "bench_kernels gave no CUDA records (see bench_kernels.log)" in s["reasons"]
+    rec = {"kernel": "quantize", "codec": "int8", "block_size": 256, "size_bytes": 1 << 28, "gbps": 3000.0,
+           "copy_gbps": 3500.0, "of_copy": 0.86, "torch_ops_gbps": 500.0, "time_us": 1.0}
+    (work / "bench_kernels.json").write_text(json.dumps([rec]))
+    s = gpu_summary.summarize(str(work), 420, 10)
+    assert s["bench_kernels"] == [{k: v for k, v in rec.items() if k != "time_us"}]
+    assert not any("bench" in r for r in s["reasons"])

@@ -32,7 +32,9 @@
 #   PY=/path/to/venv/bin/python GPU_CHECK_SKIP_BUILD=1 OUT=/tmp/gpu_check tools/gpu_check.sh
 # Other knobs: GPU_CHECK_SKIP_BENCH=1, GPU_CHECK_WORK (work folder, default build/gpu_check),
 # GPU_CHECK_TEST_TIMEOUT_S (per test, default 90), GPU_CHECK_MIN_PASSED (default 80% of the
-# single-GPU tests selected). Exit status 0 when summary.json says ok.
+# single-GPU tests selected). Exit status 0 when summary.json says ok. The device call needs a
+# timeout_s of about 450 (the budget and the packing); pytest, pytest-timeout and hypothesis are
+# on the H200 image, so nothing needs carrying but a prebuilt _C if one is used.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD

@@ -35,6 +35,8 @@ MIN_PASSED_FRACTION = 0.8
 #: pytest steps; their junit XML and logs are WORK/<step>.xml and WORK/<step>.log
 PYTEST_STEPS = ("pytest_gpu", "pytest_probes")
 TAIL_LINES = 40
+#: the columns of bench/kernels.py's records kept in the summary (all are in logs.tgz)
+BENCH_KEYS = ("kernel", "codec", "block_size", "size_bytes", "gbps", "copy_gbps", "of_copy", "torch_ops_gbps")
 PACK_FILE_LIMIT = 4 << 20
 
 
@@ -432,6 +434,10 @@ def summarize(work: str, budget: int, total: int) -> dict[str, Any]:
     sass = _load(os.path.join(work, "sass_ftz.json"))
     if sass and sass.get("total"):
         reasons.append(f"{sass['total']} .FTZ instructions in the quantization kernels (pass rule: 0)")
+    bench = _load(os.path.join(work, "bench_kernels.json"))
+    ran_bench = "bench_kernels" in by_step and not by_step["bench_kernels"].get("skipped")
+    if ran_bench and not bench:
+        reasons.append("bench_kernels gave no CUDA records (see bench_kernels.log)")
     figures: dict[str, list] = {}
     for rec in _jsonl(os.path.join(work, "figures.jsonl")):
         figures.setdefault(rec.pop("test", "?"), []).append(rec)
@@ -461,7 +467,7 @@ def summarize(work: str, budget: int, total: int) -> dict[str, Any]:
                   "single_gpu_selected": single_gpu, "sources": sources, "items": tests},
         "failures": failures,
         "sass_ftz": sass,
-        "bench_kernels": _load(os.path.join(work, "bench_kernels.json")),
+        "bench_kernels": [{k: r.get(k) for k in BENCH_KEYS} for r in bench or []],
         "probe_figures": figures,
         "nccl_init": {"key_lines": nccl_lines, "log": "nccl_init.log in logs.tgz"},
         "env": env,
