@@ -114,7 +114,7 @@ def test_hierarchical_all_gather_second_stage_runs_without_wait():
         assert r["done_without_wait"] and r["equal"], r
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_cuda_job_is_stream_ordered_without_host_blocking():
     eng = ProgressEngine("cuda", lane="test-cuda")
     eng.submit(lambda j: torch.zeros(1, device="cuda"), "warm-up").wait(60)  # context, stream
