@@ -150,3 +150,31 @@ def test_transport_group_refuses_blocking_collectives_and_always_closes(clean_th
                 call()
         assert open_group_depth() == 0 and not T().nccl_thread_in_group()
     assert t.stats.tiers[t.tier].calls == 0, "a refused collective was counted"
+
+
+def test_torch_nccl_collectives_are_refused_inside_an_open_group(clean_thread):
+    """Item 11, torch's side: flcomm's transports over torch's NCCL process groups refuse to
+    issue while an flcomm group is open on the thread (the collective would join it). A gloo
+    group stands in for NCCL's (``_stream_wait`` is what marks an NCCL transport)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from flcomm.comm.torch_pg import ProcessGroupTransport
+
+    pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=10))
+    t = ProcessGroupTransport(pg, [0], "gloo")
+    t._stream_wait = True
+    comm = T().unattached_comm(0, 1)
+    comm.group_start()
+    try:
+        with pytest.raises(RuntimeError, match=r"ProcessGroupTransport.all_reduce on torch's NCCL process group: "
+                                               r"1 flcomm NCCL group\(s\) are open on this thread"):
+            t.all_reduce(torch.ones(4), async_op=True)
+        assert t.stats.tiers[t.tier].calls == 0
+    finally:
+        comm.abort()  # NOTE: no ncclComm behind it: abort, then group_end closes NCCL's group
+        with pytest.raises(RuntimeError, match="was aborted"):
+            comm.group_end()
+    t._stream_wait = False  # NOTE: gloo's work is waited on the host
+    assert torch.equal(t.all_reduce(torch.ones(4)), torch.ones(4))

@@ -148,10 +148,12 @@ class Handle(Protocol):
     """What every asynchronous flcomm operation returns: a transport's :class:`Work`, and the
     handles of the collectives and of the FedAvg exchange built on it.
 
-    ``wait(timeout)`` blocks until the operation completed (bounded by ``timeout`` or the
-    owner's timeout, raising ``TimeoutError`` past it), finishes what is left of it and returns
-    its result; calling it again returns the same result. ``is_completed()`` polls without
-    blocking.
+    ``wait(timeout)`` waits until the operation completed and returns its result; calling it
+    again returns the same result. On CPU (and for host-blocking transports) it blocks the host,
+    bounded by ``timeout`` or the owner's timeout, raising ``TimeoutError`` past it. On a
+    stream-ordered CUDA transport (NCCL: torch's, and flcomm's by default) it makes the current
+    stream wait instead and returns at once, as torch's NCCL ``Work.wait()``: kernels issued after
+    it run after the operation. ``is_completed()`` polls without blocking.
     """
 
     def wait(self, timeout: timedelta | float | None = None) -> Any: ...
@@ -173,9 +175,10 @@ class Done:
 
 
 class Work:
-    """Handle of an asynchronous collective. ``wait()`` blocks (bounded by the transport's
-    timeout), runs the post-processing (e.g. the division of an AVG done as SUM) and records the
-    elapsed time in the stats."""
+    """Handle of an asynchronous collective. ``wait()`` blocks the host (bounded by the
+    transport's timeout) or, on a stream-ordered transport, makes the current stream wait (see
+    :class:`Handle`); it runs the post-processing (e.g. the division of an AVG done as SUM) and
+    records the elapsed time in the stats (the issue only, when stream-ordered)."""
 
     def __init__(self, handle: Any, tier: LinkTier, stats: CommStats, t0: float,
                  timeout: timedelta, post: Callable[[], None] | None = None,

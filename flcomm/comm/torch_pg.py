@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from flcomm.comm.base import DEFAULT_TIMEOUT, EXCHANGE_MAX_CTAS, CommStats, LinkTier, ReduceOp, Transport
+from flcomm.comm.nccl import check_no_open_group
 
 _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.AVG, ReduceOp.MAX: dist.ReduceOp.MAX}
 
@@ -44,6 +45,11 @@ class TorchTransport(Transport):
         self.backend = str(dist.get_backend(self.group)).lower()
         self.ranks = dist.get_process_group_ranks(self.group)
         self._stream_wait = self.backend == "nccl"
+
+    def _run(self, collective: str, nbytes: int, issue: Any, result: Tensor, async_op: bool) -> Any:
+        if self._stream_wait:  # NOTE: NCCL: it would join an open flcomm group (flcomm.comm.nccl)
+            check_no_open_group(f"{type(self).__name__}.{collective} on torch's NCCL process group")
+        return super()._run(collective, nbytes, issue, result, async_op)
 
     def _op(self, op: ReduceOp, out: Tensor) -> tuple[Any, Any]:
         """The torch op to issue, and the post-processing it needs."""
