@@ -30,7 +30,12 @@ def hash_stable(s: str) -> int:
 def _run(ex, locals_):
     from flcomm.comm.engine import get_engine
 
-    return get_engine("cpu").submit(lambda j: ex.run(j, locals_), "test exchange").wait(120)
+    def job(j):
+        if ex.own is not None:
+            ex.own_delta()  # NOTE: as FedAvg's job: own held the local shard as of the sync
+        return ex.run(j, locals_)
+
+    return get_engine("cpu").submit(job, "test exchange").wait(120)
 
 
 def _worker(rank: int, world: int) -> dict:

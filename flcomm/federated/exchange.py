@@ -12,8 +12,8 @@ Modes (what a bucket's ``pack`` writes and its ``unpack`` does with the average)
 * delta, no overlap: pack ``local - anchor``; unpack ``disp = outer(mean)``, ``anchor += disp``,
   ``local = anchor``.
 * delta, overlap: ``own`` holds the local shard as of the sync (copied when the sync starts:
-  the local shard keeps training meanwhile); pack ``own -= anchor``, the own delta, and pack
-  it; unpack ``anchor += disp`` and ``own = disp - own``, the correction that the apply step
+  the local shard keeps training meanwhile); the exchange first takes ``own -= anchor``, the
+  own delta (:meth:`DeltaExchange.own_delta`), and packs it; unpack ``anchor += disp`` and ``own = disp - own``, the correction that the apply step
   adds to the local shard: ``local += new_anchor - old_anchor - own``.
 
 A bucket whose average is not finite is not applied; :attr:`ExchangeResult.bad` marks it. Nothing
@@ -116,7 +116,8 @@ class DeltaExchange:
         in_place: the paper's mode (no anchor; buckets in the tensors' own dtypes).
         anchors: the anchor of each tensor (delta modes).
         own: per tensor (overlap), the local shard as of the sync when an exchange starts, which
-            the exchange turns into the own delta and then into the pending correction; else None.
+            :meth:`own_delta` turns into the own delta and the exchange into the pending
+            correction; else None.
         outer: the outer optimizer; ``momentum_index[i]`` is tensor i's momentum buffer (or None:
             buffers and non-parameters take the plain average).
         replicate: the replicas' private group (:func:`replicate_transport`): exchange one slice
@@ -192,19 +193,29 @@ class DeltaExchange:
         if staged is not home:
             home.copy_(staged)  # NOTE: blocking: the scratch is reused by the next piece
 
+    @torch.no_grad()
+    def own_delta(self, ready: "torch.cuda.Event | None" = None) -> None:
+        """Overlap, first step of an exchange (on the engine's thread): ``own -= anchor``, where
+        ``own`` held the local shard as of the sync: the own delta, ``fp32(local) - anchor`` as
+        ``torch.sub(local, anchor)`` gives it. Where own and anchor live: on the device (the
+        engine's stream), or offloaded on the host, after ``ready`` (an event recorded after
+        the asynchronous copies into own) was reached."""
+        if self.own is None:
+            raise RuntimeError("own_delta() needs the own deltas (overlap)")
+        if ready is not None:
+            ready.synchronize()
+        for o, a in zip(self.own, self.anchors):
+            o.sub_(a)
+
     def _pack(self, segs: list[Segment], flat: Tensor, locals_: list[Tensor]) -> None:
-        """``flat = local - anchor`` (in place: ``local``); overlap: from ``own`` (the local
-        shard as of the sync), which becomes the own delta, ``own = flat``."""
         for s in segs:
             out = flat[s.bucket_offset: s.bucket_offset + s.length]
-            src = locals_ if self.own is None else self.own
-            out.copy_(self._piece(src[s.index], s), non_blocking=True)
-            if not self.in_place:
-                out.sub_(self._stage(self.anchors[s.index], s, flat))  # NOTE: the fp32 result of torch.sub(local, anchor)
             if self.own is not None:
-                # NOTE: stream-ordered before the unpack's staging of own; the host reads own
-                # only after the job was waited
-                self._piece(self.own[s.index], s).copy_(out, non_blocking=True)
+                out.copy_(self._piece(self.own[s.index], s), non_blocking=True)
+                continue
+            out.copy_(self._piece(locals_[s.index], s))
+            if not self.in_place:
+                out.sub_(self._stage(self.anchors[s.index], s, flat))
 
     def _unpack(self, segs: list[Segment], flat: Tensor, locals_: list[Tensor], ok: Tensor) -> None:
         """Apply the bucket's average (``flat``) where the 0-dim device bool ``ok`` holds, on the

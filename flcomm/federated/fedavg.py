@@ -18,7 +18,7 @@ job of the progress engine (:mod:`flcomm.comm.engine`), bucket by bucket
 
 1. Flag whether this rank's shard is finite. With overlap, copy ``own = local`` (the local
    shard keeps training while the exchange runs; the job turns it into ``own = local - anchor``,
-   bucket by bucket, off this thread).
+   off this thread: on the engine's stream, or offloaded on its thread).
 2. Inner optimizer state: ``keep`` (the paper), ``average`` (its floating tensors averaged over
    the fed group, uncompressed, blocking) or ``reset`` (cleared, as if new).
 3. All-reduce the flags over the fed group; if any rank's shard is not finite, no rank of the
@@ -182,6 +182,7 @@ class _Fragment:
     backup: list[tuple[Tensor, Tensor]] | None = None  # elastic: what the round mutates, as of its start
     applied: int = 0  # exchanges of this fragment applied in this process
     late: int = 0  # consecutive exchanges still running when they were due (overlap)
+    own_ready: Any = None  # offload on CUDA: an event after the copies of the local shards into own
 
 
 def partition(numels: list[int], k: int) -> list[list[int]]:
@@ -665,6 +666,8 @@ class FedAvg:
     def _snapshot(self, fr: _Fragment) -> list[tuple[Tensor, Tensor]]:
         """Host copies of what fragment ``fr``'s round mutates, as of its start: the local shards
         (unless overlapping), anchors, own deltas, outer momentum and residuals."""
+        if fr.own_ready is not None:
+            fr.own_ready.synchronize()  # NOTE: own is being written by asynchronous copies
         ts: list[Tensor] = []
         for i in fr.xidx:
             if self._own is None:
@@ -819,6 +822,8 @@ class FedAvg:
                 # offloaded on CUDA an asynchronous copy into page-locked memory, ordered on this
                 # stream before the next step writes the shard and before the job reads own
                 self._own[i].copy_(t, non_blocking=True)
+            offloaded = self.offload is not None and self.device.type == "cuda"
+            fr.own_ready = _cuda_event(self.device) if offloaded and fr.exchange is not None else None
         if self.inner_state is InnerState.AVERAGE:
             self._average_inner_state()
         elif self.inner_state is InnerState.RESET:
@@ -836,13 +841,16 @@ class FedAvg:
         if self._engine.stream is not None:
             for t in [fr.flags, *xlocals]:
                 t.record_stream(self._engine.stream)
-        exchange, flags, transport = fr.exchange, fr.flags, self.transport
+        exchange, flags, transport, ready = fr.exchange, fr.flags, self.transport, fr.own_ready
 
         def run(job: Job) -> ExchangeResult:
             job.stage = "non-finite flags all-reduce"
             transport.all_reduce(flags, op="sum")
             if exchange is None:
                 return ExchangeResult()
+            if exchange.own is not None:
+                job.stage = "own delta"
+                exchange.own_delta(ready)
             # NOTE: every rank of the fed group sees the same flags: none applies a bucket; on
             # the device, so the job never waits on the host between its collectives
             return exchange.run(job, xlocals, skip=flags.any())
