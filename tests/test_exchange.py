@@ -30,7 +30,12 @@ def hash_stable(s: str) -> int:
 def _run(ex, locals_):
     from flcomm.comm.engine import get_engine
 
-    return get_engine("cpu").submit(lambda j: ex.run(j, locals_), "test exchange").wait(120)
+    def job(j):
+        if ex.own is not None:
+            ex.own_delta()  # NOTE: as FedAvg's job: own held the local shard as of the sync
+        return ex.run(j, locals_)
+
+    return get_engine("cpu").submit(job, "test exchange").wait(120)
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -58,10 +63,11 @@ def _worker(rank: int, world: int) -> dict:
     _run(ex, loc)
     out["delta"] = ([t.clone() for t in loc], [a.clone() for a in anchors])
 
-    # 3. overlap + nesterov: own = local - anchor before; after: own = disp - own, anchor += disp
+    # 3. overlap + nesterov: own = local (as of the sync) before; after: own = disp - (local -
+    # anchor), anchor += disp
     loc = _data(rank, "local")
     anchors = _data(0, "anchor")
-    own = [t - a for t, a in zip(loc, anchors)]
+    own = [t.clone() for t in loc]
     outer = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
     outer.allocate(anchors[:2])  # tensors 0, 1 are parameters; tensor 2 a buffer (plain average)
     before = [t.clone() for t in loc]
@@ -76,7 +82,7 @@ def _worker(rank: int, world: int) -> dict:
     for offload in (False, True):
         loc = _data(rank, "local", torch.bfloat16)
         anchors = [a.float() for a in _data(0, "anchor")]
-        own = [t.float() - a for t, a in zip(loc, anchors)]
+        own = [t.float() for t in loc]
         ex = DeltaExchange(TorchTransport(), loc, codec=none, bucket_mb=BUCKET_MB, error_feedback=False,
                            in_place=False, anchors=anchors, own=own, offload=offload)
         _run(ex, loc)
@@ -91,10 +97,12 @@ def _worker(rank: int, world: int) -> dict:
     if rank == 1:
         loc[1][500] = float("inf")
     keep = [a.clone() for a in anchors]
+    before = [t.clone() for t in loc]
     ex = DeltaExchange(TorchTransport(), loc, codec=none, bucket_mb=BUCKET_MB, error_feedback=False,
                        in_place=False, anchors=anchors)
     res = _run(ex, loc)
-    out["bad"] = {"bad_buckets": res.bad_buckets, "layout": ex.bar.layout(), "anchors": anchors, "keep": keep}
+    out["bad"] = {"bad_buckets": res.bad_buckets, "layout": ex.bar.layout(), "anchors": anchors, "keep": keep,
+                  "locals": loc, "before": before}
 
     # 5. issue order of the collectives in the engine: int8, 3+ buckets
     class Recording(TorchTransport):
@@ -177,16 +185,31 @@ def test_add_own_is_the_apply_step(results, offload):
 
 
 def test_non_finite_bucket_is_not_applied(results):
+    """The bucket holding rank 1's Inf leaves anchors and local shards as they were; every other
+    bucket is applied (anchor and local = the average: the reference from the ranks' inputs)."""
+    per_rank = [_data(r, "local") for r in range(WORLD)]
+    per_rank[1][1][500] = float("inf")
+    anchor0 = _data(0, "anchor")
+    want = [anchor0[i].double() + sum(ts[i].double() - anchor0[i].double() for ts in per_rank) / WORLD
+            for i in range(len(SHAPES))]
     for r in results:
         b = r["bad"]
         # element 500 of tensor 1: the one bucket holding it
         hit = [k for k, segs in enumerate(b["layout"]) for s in segs
                if s.index == 1 and s.tensor_offset <= 500 < s.tensor_offset + s.length]
         assert b["bad_buckets"] == hit and len(hit) == 1
-        for s in b["layout"][hit[0]]:
-            a = b["anchors"][s.index].view(-1)[s.tensor_offset:s.tensor_offset + s.length]
-            k = b["keep"][s.index].view(-1)[s.tensor_offset:s.tensor_offset + s.length]
-            assert torch.equal(a, k)
+        assert len(b["layout"]) >= 3
+        for k, segs in enumerate(b["layout"]):
+            for s in segs:
+                def piece(ts, s=s):
+                    return ts[s.index].reshape(-1)[s.tensor_offset:s.tensor_offset + s.length]
+
+                if k == hit[0]:
+                    assert torch.equal(piece(b["anchors"]), piece(b["keep"])), (k, s)
+                    assert torch.equal(piece(b["locals"]), piece(b["before"])), (k, s)
+                else:
+                    torch.testing.assert_close(piece(b["anchors"]).double(), piece(want), rtol=0, atol=1e-5)
+                    assert torch.equal(piece(b["locals"]), piece(b["anchors"])), (k, s)
         assert all(bool(torch.isfinite(a).all()) for a in b["anchors"])
 
 

@@ -160,6 +160,16 @@ def _local_steps(model, rank: int, t: int) -> None:
             p.add_(0.01 * torch.randn(p.shape, generator=g))
 
 
+def _held(fed) -> dict[str, int]:
+    """Bytes of the storages (each counted once) that hold FedAvg's full-size buffers, and the
+    part of them in host memory: what is allocated, read off the tensors themselves."""
+    ts = list(fed._anchor) + list(fed._own or []) + list(fed._outer.buffers)
+    ts += [r for fr in fed._frags if fr.exchange is not None for r in fr.exchange.bar.residuals() if r is not None]
+    storages = {t.untyped_storage().data_ptr(): (t.untyped_storage().nbytes(), t.device.type) for t in ts}
+    return {"all": sum(n for n, _ in storages.values()),
+            "host": sum(n for n, dev in storages.values() if dev == "cpu"), "storages": len(storages)}
+
+
 def _memory_worker(rank: int, world: int) -> dict:
     from flcomm.federated.fedavg import FedAvg
     from flcomm.federated.topology import Topology
@@ -174,7 +184,8 @@ def _memory_worker(rank: int, world: int) -> dict:
             fed.step()
         fed.finish()
         stats[name] = {"mem": fed.memory_stats(), "buckets": fed._exchange.bar.num_buckets,
-                       "world": fed.transport.size}
+                       "world": fed.transport.size, "held": _held(fed),
+                       "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
     pairs = []
     for kw in OFFLOAD_PAIRS:
         out = {}
@@ -224,7 +235,17 @@ def test_memory_stats_match_the_cost_models_shard_copies(memory_results, name):
         on_device = m["device"] - m["flags"] - m["staging"]
         want_dev = fedavg_shard_copies(plan, **extra) * shard
         assert want_dev <= on_device <= want_dev + (0 if "offload" in extra else slack), (name, m)
-        assert m["offloaded"] == (full if "offload" in extra else 0)
+        # NOTE: against what is allocated: the storages behind the buffers (one per kind), and the
+        # model's own sizes for the anchor, own delta and momentum
+        model = s["model_bytes"]
+        assert m["anchor"] == (0 if name == "paper" else model), (name, m)
+        assert m["own"] == (model if kw.get("overlap") else 0), (name, m)
+        assert m["momentum"] == (model if kw.get("outer") == "nesterov" else 0), (name, m)
+        assert full == s["held"]["all"], (name, full, s["held"])
+        assert s["held"]["storages"] == sum(m[k] > 0 for k in ("anchor", "own", "momentum", "residual"))
+        assert m["offloaded"] == (s["held"]["host"] if "offload" in extra else 0), (name, m, s["held"])
+        if "offload" in extra:
+            assert s["held"]["host"] == s["held"]["all"] > 0
         bucket = MEM_BUCKET_MB * 2**20
         if name == "paper" or "offload" in extra:  # issue 10: at most two buckets on the device
             assert m["staging"] + m["transient"] <= 2 * bucket, (name, (m["staging"] + m["transient"]) / bucket)

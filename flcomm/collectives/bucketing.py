@@ -8,7 +8,8 @@ own dtype), so a change of dtype starts a new bucket. Each bucket is padded to a
 ``world * align`` so the two-hop exchange needs no copy.
 
 Memory: buckets share ``slots`` (2) staging buffers (and two-hop plans), whatever the number of
-buckets; only the error-feedback residuals (one per bucket) persist at full size.
+buckets; only the error-feedback residuals (one per bucket, views of one allocation:
+:func:`arena`) persist at full size.
 
 Offload (``offload=True``: the residuals, and the caller's full-size state, live in host memory):
 the device holds at most two buckets (``2 * bucket_mb``) of exchange buffers, all counted by
@@ -23,6 +24,9 @@ the device holds at most two buckets (``2 * bucket_mb``) of exchange buffers, al
 4. buckets are cut to the largest size for which 2 + 3 fit in ``2 * bucket_mb``: codec none
    keeps about ``bucket_mb`` (less the padding), int8 on 2 ranks 57% of it. The wire then
    carries smaller messages, one at a time: ``bench/memory.py`` reports what that costs.
+5. a staging pool made with ``new_staging(apply_scratch=True)`` has one more scratch bucket, for
+   a caller that stages host pieces from its own thread while another exchange of the pool may
+   be in flight (FedAvg's apply step with overlapping fragments): up to one more bucket.
 
 Pipeline of one exchange (one engine job; ``start()`` returns its :class:`~flcomm.comm.engine.Job`)::
 
@@ -50,6 +54,7 @@ nothing else may issue on the transport while an exchange is in flight.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,7 +67,7 @@ from flcomm.collectives.compressed import TwoHopPlan, chunk_numel, lossless_all_
 from flcomm.comm.base import ReduceOp, Transport, Work
 from flcomm.comm.engine import Job, ProgressEngine, get_engine
 
-__all__ = ["BucketedAllReduce", "Segment"]
+__all__ = ["BucketedAllReduce", "Segment", "arena", "new_staging"]
 
 PackFn = Callable[[list["Segment"], Tensor], None]
 
@@ -113,9 +118,52 @@ def _clip(segs: list[Segment], lo: int, n: int) -> list[Segment]:
     return out
 
 
-def new_staging() -> list[_Slot]:
-    """Two staging slots (buffers grow on first use), shareable between all-reduces."""
-    return [_Slot(), _Slot()]
+def new_staging(apply_scratch: bool = False) -> list[_Slot]:
+    """Two staging slots (buffers grow on first use), shareable between all-reduces whose
+    exchanges run one after another. ``apply_scratch``: a third slot, whose scratch
+    (:meth:`BucketedAllReduce.scratch` with ``apply=True``) no exchange uses, so the caller's
+    thread may stage through it while an exchange of the pool is in flight."""
+    return [_Slot() for _ in range(3 if apply_scratch else 2)]
+
+
+def arena(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device | str,
+          pin: bool = False) -> list[Tensor]:
+    """Zeroed tensors of the given (shape, dtype), all views of one flat byte buffer: one
+    allocation per kind of buffer, so the bytes held are the bytes asked for (torch's caching
+    allocators round each allocation up, the pinned host one to a power of two). The views are
+    laid out by falling element size, so each is aligned to its own without padding.
+
+    ``pin`` (host memory, with CUDA): the buffer is page-locked with ``cudaHostRegister``, exactly
+    its bytes (not through the caching host allocator), and unregistered when its storage is
+    freed (the last view gone). On CPU the same views of one buffer, unpinned."""
+    sizes = [math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in specs]
+    order = sorted(range(len(specs)), key=lambda i: -torch.empty((), dtype=specs[i][1]).element_size())
+    flat = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
+    if pin and flat.numel():
+        _register(flat)
+    out: list[Tensor | None] = [None] * len(specs)
+    off = 0
+    for i in order:
+        shape, dt = specs[i]
+        out[i] = flat[off: off + sizes[i]].view(dt).view(shape)
+        off += sizes[i]
+    return out  # type: ignore[return-value]
+
+
+def _register(flat: Tensor) -> None:
+    """Page-lock ``flat`` (a host byte buffer) until its storage is freed."""
+    import weakref
+
+    cudart = torch.cuda.cudart()
+    ptr = flat.data_ptr()
+    rc = int(cudart.cudaHostRegister(ptr, flat.numel(), 0))
+    if rc != 0:
+        raise RuntimeError(f"cudaHostRegister of {flat.numel()} bytes of host memory failed with CUDA error {rc}")
+    # NOTE: torch keeps a storage's Python object alive as long as the storage (PyObject
+    # preservation), so this runs when the last view is gone; as torch.distributed.checkpoint's
+    # pinned staging does
+    fin = weakref.finalize(flat.untyped_storage(), cudart.cudaHostUnregister, ptr)
+    fin.atexit = False  # NOTE: not after the CUDA context is gone
 
 
 def bucket_dtype(dtype: torch.dtype, keep_dtype: bool) -> torch.dtype:
@@ -249,8 +297,9 @@ class BucketedAllReduce:
         if self.error_feedback:
             home = torch.device("cpu") if self.offload else self.device
             pin = self.offload and self.device.type == "cuda"
-            for b in buckets:
-                b.residual = torch.zeros(b.wire, dtype=self.residual_dtype, device=home, pin_memory=pin)
+            res = arena([((b.wire,), self.residual_dtype) for b in buckets], home, pin)
+            for b, r in zip(buckets, res):
+                b.residual = r
         return buckets
 
     def _cap(self, dtype: torch.dtype) -> int:
@@ -400,15 +449,18 @@ class BucketedAllReduce:
     def _slot(self, k: int) -> _Slot:
         return self._slots[0 if self.offload else k % 2]
 
-    def scratch(self, numel: int, dtype: torch.dtype) -> Tensor:
+    def scratch(self, numel: int, dtype: torch.dtype, apply: bool = False) -> Tensor:
         """Offload: a device buffer of ``numel`` elements of ``dtype`` (at most a bucket's), for
         staging host pieces at their segments' offsets. It is free outside a bucket's pack and
         unpack (the pipeline is single-buffered and the bucket's residual is back home by then)
-        and once the exchange's job was waited."""
+        and once the exchange's job was waited, unless another exchange of the staging pool is
+        in flight. ``apply``: the pool's apply scratch (``new_staging(apply_scratch=True)``),
+        which no exchange uses (the pool's own scratch without one)."""
         if not self.offload:
             raise RuntimeError("scratch() is for offloaded exchanges (offload=True)")
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        return self._grow(self._slots[0], "scratch", nbytes)[:nbytes].view(dtype)
+        slot = self._slots[2] if apply and len(self._slots) > 2 else self._slots[0]
+        return self._grow(slot, "scratch", nbytes)[:nbytes].view(dtype)
 
     def _grow(self, slot: _Slot, attr: str, nbytes: int) -> Tensor:
         """The slot's byte buffer ``attr``, grown to at least ``nbytes``."""

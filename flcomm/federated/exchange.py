@@ -11,12 +11,15 @@ Modes (what a bucket's ``pack`` writes and its ``unpack`` does with the average)
   pack the local shard itself, in its own dtype; unpack writes the average back. No anchor.
 * delta, no overlap: pack ``local - anchor``; unpack ``disp = outer(mean)``, ``anchor += disp``,
   ``local = anchor``.
-* delta, overlap: ``own = local - anchor`` is taken when the sync starts (the local shard keeps
-  training meanwhile); pack ``own``; unpack ``anchor += disp`` and ``own = disp - own``, the
-  correction that the apply step adds to the local shard: ``local += new_anchor - old_anchor -
-  own``.
+* delta, overlap: ``own`` holds the local shard as of the sync (copied when the sync starts:
+  the local shard keeps training meanwhile); the exchange first takes ``own -= anchor``, the
+  own delta (:meth:`DeltaExchange.own_delta`), and packs it; unpack ``anchor += disp`` and ``own = disp - own``, the correction that the apply step
+  adds to the local shard: ``local += new_anchor - old_anchor - own``.
 
-A bucket whose average is not finite is not applied; :attr:`ExchangeResult.bad_buckets` lists it.
+A bucket whose average is not finite is not applied; :attr:`ExchangeResult.bad` marks it. Nothing
+is read on the host during an exchange: each bucket's finite flag stays on the device and
+selects, on the device, whether its unpack changes anything (a bucket not applied leaves the
+local shard, anchor, momentum and own delta as they were); the caller reads the flags once.
 
 Sharded across replicas (FL+HSDP, R > 1 replicas of each shard inside a group): replica r
 exchanges only slice r (1/R) of every bucket over the fed group, with the codec and the error
@@ -36,7 +39,7 @@ the model (:mod:`flcomm.collectives.bucketing`).
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -92,9 +95,15 @@ _REPLICATE: "weakref.WeakKeyDictionary[FedMesh, Transport]" = weakref.WeakKeyDic
 
 @dataclass
 class ExchangeResult:
-    """What one exchange did: ``bad_buckets`` had a non-finite average and were not applied."""
+    """What one exchange did: ``bad`` (on the device, a bool per bucket) marks the buckets whose
+    average was not finite and was not applied; None when nothing was exchanged."""
 
-    bad_buckets: list[int] = field(default_factory=list)
+    bad: Tensor | None = None
+
+    @property
+    def bad_buckets(self) -> list[int]:
+        """The indices of the buckets marked in ``bad`` (read on the host: a device sync)."""
+        return [] if self.bad is None else self.bad.nonzero().flatten().tolist()
 
 
 class DeltaExchange:
@@ -106,7 +115,9 @@ class DeltaExchange:
         codec, bucket_mb, error_feedback: of the :class:`BucketedAllReduce`.
         in_place: the paper's mode (no anchor; buckets in the tensors' own dtypes).
         anchors: the anchor of each tensor (delta modes).
-        own: per tensor, the own delta / pending correction (overlap), else None.
+        own: per tensor (overlap), the local shard as of the sync when an exchange starts, which
+            :meth:`own_delta` turns into the own delta and the exchange into the pending
+            correction; else None.
         outer: the outer optimizer; ``momentum_index[i]`` is tensor i's momentum buffer (or None:
             buffers and non-parameters take the plain average).
         replicate: the replicas' private group (:func:`replicate_transport`): exchange one slice
@@ -138,10 +149,12 @@ class DeltaExchange:
     def work_dtypes(self) -> list[torch.dtype]:
         return [bucket_dtype(d, self.in_place) for d in self.bar.dtypes]
 
-    def run(self, job: "Job", locals_: list[Tensor]) -> ExchangeResult:
+    def run(self, job: "Job", locals_: list[Tensor], skip: Tensor | None = None) -> ExchangeResult:
         """One exchange on the engine's thread (``job`` names the stages); ``locals_`` are the
-        local shards as of the sync (read unless overlapping, written unless overlapping)."""
-        result = ExchangeResult()
+        local shards as of the sync (read unless overlapping, written unless overlapping).
+        ``skip``: a 0-dim bool on the device, the same on every rank of the group; when True no
+        bucket is applied (the collectives still run, so nothing is read on the host)."""
+        bad = torch.zeros(self.bar.num_buckets, dtype=torch.bool, device=self.bar.device)
         bucket = [0]
 
         def unpack(segs: list[Segment], flat: Tensor) -> None:
@@ -150,13 +163,14 @@ class DeltaExchange:
             # NOTE: min and max propagate NaN and show +-Inf: no bucket-sized bool temporary, so
             # an offloaded exchange stays within its two buckets on the device
             lo, hi = torch.aminmax(flat)
-            if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
-                result.bad_buckets.append(k)
-                return
-            self._unpack(segs, flat, locals_)
+            finite = torch.isfinite(lo) & torch.isfinite(hi)
+            bad[k] = ~finite
+            ok = finite if skip is None else finite & ~skip
+            flat.masked_fill_(~ok, 0.0)  # NOTE: not applied: no displacement (in place: unused)
+            self._unpack(segs, flat, locals_, ok)
 
         self.bar.run_pipeline(job, lambda segs, flat: self._pack(segs, flat, locals_), unpack)
-        return result
+        return ExchangeResult(bad)
 
     @staticmethod
     def _piece(t: Tensor, s: Segment) -> Tensor:
@@ -179,6 +193,20 @@ class DeltaExchange:
         if staged is not home:
             home.copy_(staged)  # NOTE: blocking: the scratch is reused by the next piece
 
+    @torch.no_grad()
+    def own_delta(self, ready: "torch.cuda.Event | None" = None) -> None:
+        """Overlap, first step of an exchange (on the engine's thread): ``own -= anchor``, where
+        ``own`` held the local shard as of the sync: the own delta, ``fp32(local) - anchor`` as
+        ``torch.sub(local, anchor)`` gives it. Where own and anchor live: on the device (the
+        engine's stream), or offloaded on the host, after ``ready`` (an event recorded after
+        the asynchronous copies into own) was reached."""
+        if self.own is None:
+            raise RuntimeError("own_delta() needs the own deltas (overlap)")
+        if ready is not None:
+            ready.synchronize()
+        for o, a in zip(self.own, self.anchors):
+            o.sub_(a)
+
     def _pack(self, segs: list[Segment], flat: Tensor, locals_: list[Tensor]) -> None:
         for s in segs:
             out = flat[s.bucket_offset: s.bucket_offset + s.length]
@@ -189,27 +217,35 @@ class DeltaExchange:
             if not self.in_place:
                 out.sub_(self._stage(self.anchors[s.index], s, flat))
 
-    def _unpack(self, segs: list[Segment], flat: Tensor, locals_: list[Tensor]) -> None:
+    def _unpack(self, segs: list[Segment], flat: Tensor, locals_: list[Tensor], ok: Tensor) -> None:
+        """Apply the bucket's average (``flat``) where the 0-dim device bool ``ok`` holds, on the
+        device: where it does not, ``flat`` is zero and every update below leaves its target as
+        it was (``x + 0``; the momentum ``buf * 1 + -0``; ``own * 1 + 0``; the locals selected)."""
+        sign = torch.where(ok, -1.0, 1.0) if self.own is not None else None
         for s in segs:
             mean = flat[s.bucket_offset: s.bucket_offset + s.length]
             local = self._piece(locals_[s.index], s)
             if self.in_place:
-                local.copy_(mean)
+                torch.where(ok, mean, local, out=local)
                 continue
             m = self.momentum_index[s.index]
             disp = mean  # NOTE: the outer update works in place in the bucket
             if m is not None:
                 buf = self._stage(self.outer.buffers[m], s, flat)
-                disp = self.outer.piece_(mean, buf)
+                disp = self.outer.piece_(mean, buf, ok)
                 self._back(self._piece(self.outer.buffers[m], s), buf)
+                disp.masked_fill_(~ok, 0.0)
             anchor = self._stage(self.anchors[s.index], s, flat)
             anchor.add_(disp)
             if self.own is None:
-                local.copy_(anchor)
+                # NOTE: local = anchor where ok, selected in the bucket (its mean is used up):
+                # no temporary, and local's rounding is copy_'s
+                torch.where(ok, anchor, local, out=disp)
+                local.copy_(disp)
             self._back(self._piece(self.anchors[s.index], s), anchor)
             if self.own is not None:
                 own = self._stage(self.own[s.index], s, flat)
-                torch.sub(disp, own, out=own)  # NOTE: one pass; -own + disp == disp - own exactly
+                own.mul_(sign).add_(disp)  # NOTE: -own + disp == disp - own exactly
                 self._back(self._piece(self.own[s.index], s), own)
 
     @torch.no_grad()
@@ -217,15 +253,17 @@ class DeltaExchange:
         """The apply step of overlap, ``local += own`` (``own``: the correction the unpack left,
         rounded to the local's dtype first), piece by piece along the buckets, so no full-size
         copy reaches the device; with offload each piece passes through the scratch (converted
-        on the host). Call on the training loop's stream once the exchange's job was waited (the
-        scratch is free then, and that stream is ordered after the job)."""
+        on the host). Call on the training loop's stream once the exchange's job was waited (that
+        stream is then ordered after the job). The pieces pass through the staging pool's apply
+        scratch when it has one (:func:`~flcomm.collectives.bucketing.new_staging`): needed when
+        another exchange of the pool may be in flight, whose job writes the pool's scratch."""
         if self.own is None:
             raise RuntimeError("add_own() needs the own deltas (overlap)")
         for segs in self.bar.layout():
             for s in segs:
                 local, own = self._piece(locals_[s.index], s), self._piece(self.own[s.index], s)
                 if self.offload:
-                    buf = self.bar.scratch(s.bucket_offset + s.length, local.dtype)
+                    buf = self.bar.scratch(s.bucket_offset + s.length, local.dtype, apply=True)
                     if buf.is_cuda:
                         buf.record_stream(torch.cuda.current_stream(buf.device))  # NOTE: used off the engine's stream
                     dev = buf[s.bucket_offset:]

@@ -16,12 +16,14 @@ Algorithm of one sync (at local steps E, 2E, ...); steps 1-2 on the caller's thr
 job of the progress engine (:mod:`flcomm.comm.engine`), bucket by bucket
 (:mod:`flcomm.federated.exchange`):
 
-1. Flag whether this rank's shard is finite. With overlap, take ``own = local - anchor`` (the
-   local shard keeps training while the exchange runs).
+1. Flag whether this rank's shard is finite. With overlap, copy ``own = local`` (the local
+   shard keeps training while the exchange runs; the job turns it into ``own = local - anchor``,
+   off this thread: on the engine's stream, or offloaded on its thread).
 2. Inner optimizer state: ``keep`` (the paper), ``average`` (its floating tensors averaged over
    the fed group, uncompressed, blocking) or ``reset`` (cleared, as if new).
-3. All-reduce the flags over the fed group; if any rank's shard is not finite, every rank of the
-   fed group skips the exchange.
+3. All-reduce the flags over the fed group; if any rank's shard is not finite, no rank of the
+   fed group applies any bucket (the flags stay on the device: the buckets are exchanged and
+   left unapplied, so the job reads nothing on the host).
 4. Per bucket: pack ``delta = local - anchor`` (or ``own``), average it over the fed group through
    the codec (error feedback keeps what compression dropped for the next round), and apply the
    outer update to the anchor: ``avg``: ``anchor += mean(delta)``; ``nesterov`` (DiLoCo):
@@ -30,7 +32,8 @@ job of the progress engine (:mod:`flcomm.comm.engine`), bucket by bucket
    ``local = anchor``; with overlap, ``own = (new_anchor - old_anchor) - own``.
    The paper's mode (codec none, ``avg``, no overlap, no error feedback) averages the shards
    themselves, in place, in their own dtype: no anchor, no delta.
-5. Apply, on the caller's thread: without overlap at once; with ``overlap=True``
+5. Apply, on the caller's thread, reading the flags on the host once: without overlap at once;
+   with ``overlap=True``
    ``overlap_steps`` (k) steps later (Streaming DiLoCo's tau), ``local += own``, i.e.::
 
        local += (new_anchor - old_anchor) - own_delta        # avg: mean(delta) - own_delta
@@ -42,11 +45,15 @@ job of the progress engine (:mod:`flcomm.comm.engine`), bucket by bucket
 Streaming fragments (``fragments=K``, K dividing E): the tensors are cut into K fragments of
 about equal size (:func:`partition`); fragment k runs steps 1-5 on its tensors at the steps with
 ``(step - k E / K) % E == 0``, so each sync moves 1/K of the shard (Streaming DiLoCo).
+With ``overlap_steps > E / K`` a fragment's apply meets another fragment's exchange in flight.
 
 Memory (:meth:`FedAvg.memory_stats`): the paper's mode keeps nothing but two staging buckets;
 the other modes keep the anchor, plus the residual (error feedback, fp32 or ``residual_dtype=
-"bf16"``), the own delta (overlap) and the momentum (nesterov); ``offload="cpu"`` keeps these in
-host memory and streams them through the buckets.
+"bf16"``), the own delta (overlap) and the momentum (nesterov), each kind one allocation
+(:func:`~flcomm.collectives.bucketing.arena`); ``offload="cpu"`` keeps these in host memory
+(page-locked on CUDA, exactly their bytes) and streams them through the buckets. Offload with
+overlapping fragments (``overlap_steps > E / K``) stages the apply step through one more
+scratch bucket on the device (its own, as the other fragment's job uses the exchange's).
 
 An average with NaN/Inf, or built from a non-finite delta (which a lossy codec may hide), is
 refused: at the apply, the bad ranks (and a bit for buckets whose average overflowed) are OR-ed
@@ -71,7 +78,7 @@ import torch
 from torch import Tensor, nn
 
 from flcomm.codecs import Codec
-from flcomm.collectives.bucketing import bucket_dtype, new_staging
+from flcomm.collectives.bucketing import arena, bucket_dtype, new_staging
 from flcomm.comm.engine import Job, get_engine
 from flcomm.enums import Choice
 from flcomm.federated.exchange import (DeltaExchange, ExchangeResult, flat_views, replicate_transport,
@@ -88,6 +95,57 @@ LATE_EXCHANGES = 3  # overlap: this many exchanges in a row still running when d
 
 
 _RESIDUAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _cuda_event(device: torch.device | None = None) -> Any:
+    """A timing event recorded now on the current CUDA stream of ``device``."""
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(torch.cuda.current_stream(device))
+    return ev
+
+
+class ExposedTime:
+    """The accounting of :attr:`FedAvg.exposed_comm_s`, window by window (a sync's start, an
+    apply: what the training loop does for the exchange).
+
+    * CPU (``events=False``): the host seconds of each window (``clock``).
+    * CUDA (``events=True``): only the time the compute stream spent between two events recorded
+      at the window's ends (``new_event()``: an event recorded on the current stream). A host
+      wait for a late exchange shows there already (the stream runs dry while the host waits),
+      so the host time is not added: a late exchange is counted once. The caller keeps host
+      reads of device values out of the windows (they would drain the compute stream into it).
+
+    Events are read (synchronized) only by :attr:`seconds`.
+    """
+
+    def __init__(self, events: bool, clock: Callable[[], float] = time.perf_counter,
+                 new_event: Callable[[], Any] = _cuda_event) -> None:
+        self.events = events
+        self._clock, self._new_event = clock, new_event
+        self._s = 0.0
+        self._pending: list[tuple[Any, Any]] = []
+
+    def begin(self) -> tuple[float, Any]:
+        return self._clock(), self._new_event() if self.events else None
+
+    def end(self, token: tuple[float, Any]) -> None:
+        t0, ev0 = token
+        if ev0 is None:
+            self._s += self._clock() - t0
+        else:
+            self._pending.append((ev0, self._new_event()))
+
+    @property
+    def seconds(self) -> float:
+        for e0, e1 in self._pending:
+            e1.synchronize()
+            self._s += e0.elapsed_time(e1) / 1e3
+        self._pending.clear()
+        return self._s
+
+    def reset(self, value: float = 0.0) -> None:
+        self._pending.clear()
+        self._s = float(value)
 
 
 class InnerState(Choice, what="inner_state"):
@@ -124,6 +182,7 @@ class _Fragment:
     backup: list[tuple[Tensor, Tensor]] | None = None  # elastic: what the round mutates, as of its start
     applied: int = 0  # exchanges of this fragment applied in this process
     late: int = 0  # consecutive exchanges still running when they were due (overlap)
+    own_ready: Any = None  # offload on CUDA: an event after the copies of the local shards into own
 
 
 def partition(numels: list[int], k: int) -> list[list[int]]:
@@ -231,8 +290,7 @@ class FedAvg:
         self.rank = mesh.rank
         self.steps = 0
         self.num_syncs = 0
-        self._exposed_host_s = 0.0
-        self._exposed_events: list[tuple[Any, Any]] = []
+        self._exposure = ExposedTime(events=False)
         self._frags: list[_Fragment] = []
         self._warned_slow = False
         self._outer = OuterOptimizer(self.outer_kind, outer_lr, outer_momentum)
@@ -302,19 +360,19 @@ class FedAvg:
         self._world_flags = torch.zeros(self.topology.world_size + 1, dtype=torch.int32, device=self.device)
         if sync_init and self.transport is not None:
             self._broadcast_from_group0()
+        self._exposure = ExposedTime(events=self.device.type == "cuda", new_event=lambda: _cuda_event(self.device))
         work = [bucket_dtype(t.dtype, self.in_place) for t in locals_]
         home = torch.device("cpu") if self.offload else self.device
         pin = self.offload is not None and self.device.type == "cuda"
-
-        def full(t: Tensor, dtype: torch.dtype) -> Tensor:
-            out = torch.empty(t.shape, dtype=dtype, device=home, pin_memory=pin)
-            return out.copy_(t)
-
-        self._anchor = [] if self.in_place else [full(t.detach(), d) for t, d in zip(locals_, work)]
-        self._own = [full(torch.zeros_like(a), a.dtype) for a in self._anchor] if self.overlap else None
-        self._outer.allocate([a for a, p in zip(self._anchor, self.is_param) if p])
-        if pin:
-            self._outer.buffers = [b.pin_memory() for b in self._outer.buffers]
+        specs = [(tuple(t.shape), d) for t, d in zip(locals_, work)]
+        # NOTE: one allocation per kind (arena): pinned memory is what memory_stats counts
+        self._anchor = [] if self.in_place else arena(specs, home, pin)
+        with torch.no_grad():
+            for a, t in zip(self._anchor, locals_):
+                a.copy_(t)
+        self._own = arena(specs, home, pin) if self.overlap else None
+        params = [(tuple(a.shape), a.dtype) for a, p in zip(self._anchor, self.is_param) if p]
+        self._outer.buffers = arena(params, home, pin) if self.outer_kind is Outer.NESTEROV else []
         mom, n = [], 0
         for p in self.is_param:
             mom.append(n if p and self.outer_kind is Outer.NESTEROV else None)
@@ -323,7 +381,7 @@ class FedAvg:
         # NOTE: the partition uses the tensors' global sizes, so every rank cuts the same fragments
         parts = partition([s.numel for s in self.slots], self.fragments) if self.slots else [[]]
         # NOTE: the fragments' exchanges run one after another in the engine: one staging pool
-        self._staging = new_staging()
+        self._staging = self._new_staging()
         self.replicate = replicate_transport(mesh, self.sharded_exchange)  # None: not sharded
         for f, part in enumerate(parts):
             # NOTE: empty shards (FSDP uneven sharding) are left out of the exchange; the fed
@@ -335,10 +393,18 @@ class FedAvg:
             self._build_exchanges()
         self._engine = get_engine(self.device, "exchange")
 
+    def _new_staging(self) -> list:
+        """The exchanges' staging pool; with offload and overlapping fragments (an apply while
+        another fragment's exchange is in flight) with an apply scratch (one bucket more on the
+        device), as the job in flight writes the pool's scratch meanwhile."""
+        overlapping = self.overlap and self.overlap_steps > self.sync_every // self.fragments
+        return new_staging(apply_scratch=self.offload is not None and overlapping)
+
     def _build_exchanges(self) -> None:
         """Each fragment's :class:`DeltaExchange` over the current fed transport (again after an
         elastic membership change: the residuals carry over when the layout did not change)."""
         locals_ = [s.local for s in self.slots]
+        self._fed_rank_index = torch.tensor(self.fed_ranks, dtype=torch.long, device=self.device)
         for fr in self._frags:
             x = fr.xidx
             old = fr.exchange.state_dict() if fr.exchange is not None else None
@@ -401,25 +467,20 @@ class FedAvg:
 
     @property
     def exposed_comm_s(self) -> float:
-        """Seconds the training loop was blocked on the exchange: host time on CPU (starting it,
-        waiting for it, the refusal all-reduce, averaging optimizer state); on CUDA also the
-        time the compute stream waited for the exchange's end event, measured with events
-        (read here, which synchronizes those events)."""
-        for e0, e1 in self._exposed_events:
-            e1.synchronize()
-            self._exposed_host_s += e0.elapsed_time(e1) / 1e3
-        self._exposed_events.clear()
-        return self._exposed_host_s
+        """Seconds the training loop was blocked on the exchange (starting it, waiting for it,
+        the refusal all-reduce, averaging optimizer state): host time on CPU; on CUDA the time
+        the compute stream spent there, measured with events only (:class:`ExposedTime`; read
+        here, which synchronizes those events)."""
+        return self._exposure.seconds
 
     @exposed_comm_s.setter
     def exposed_comm_s(self, value: float) -> None:
-        self._exposed_events.clear()
-        self._exposed_host_s = float(value)
+        self._exposure.reset(value)
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this FedAvg holds, per buffer kind (``anchor``, ``own``, ``momentum``,
         ``residual``, ``staging``: the exchange's device pool of bucket buffers, offload scratch
-        and two-hop plans, ``flags``), their ``total``, ``offloaded`` (the part of the total in
+        (and apply scratch) and two-hop plans, ``flags``), their ``total``, ``offloaded`` (the part of the total in
         host memory with ``offload``), ``device`` (the rest: on the device), ``transient`` (the
         largest temporary an exchange adds on the device, :meth:`BucketedAllReduce.memory_bytes`)
         and ``shard_fp32``: the bytes of this rank's averaged tensors in fp32 (the unit of the
@@ -442,7 +503,8 @@ class FedAvg:
                 out["staging"] += mem["staging"] if i == 0 else 0  # NOTE: one shared pool
                 transient = max(transient, mem["transient"])
         out["total"] = sum(out.values())
-        out["offloaded"] = 0 if not self.offload or not self.federated else out["total"] - out["staging"] - out["flags"]
+        kept = out["anchor"] + out["own"] + out["momentum"] + out["residual"]
+        out["offloaded"] = kept if self.offload and self.federated else 0
         out["device"] = out["total"] - out["offloaded"]
         out["transient"] = transient
         out["shard_fp32"] = sum(s.local.numel() * 4 for s in self.slots)
@@ -604,6 +666,8 @@ class FedAvg:
     def _snapshot(self, fr: _Fragment) -> list[tuple[Tensor, Tensor]]:
         """Host copies of what fragment ``fr``'s round mutates, as of its start: the local shards
         (unless overlapping), anchors, own deltas, outer momentum and residuals."""
+        if fr.own_ready is not None:
+            fr.own_ready.synchronize()  # NOTE: own is being written by asynchronous copies
         ts: list[Tensor] = []
         for i in fr.xidx:
             if self._own is None:
@@ -703,7 +767,7 @@ class FedAvg:
         # NOTE: a job of the old generation may still wait in a dead collective (until its
         # timeout) and hold its lane and staging buffers: the new generation gets its own
         self._engine = get_engine(self.device, f"exchange-gen{self.federation.generation}")
-        self._staging = new_staging()
+        self._staging = self._new_staging()
         self._build_exchanges()
 
     def _sync_state(self) -> list[Tensor]:
@@ -740,10 +804,10 @@ class FedAvg:
 
     @torch.no_grad()
     def _start(self, fr: _Fragment) -> None:
-        """Steps 1-3 of the module docstring for fragment ``fr``: flags and (overlap) the own
-        delta on this thread, the rest as one job of the progress engine."""
+        """Steps 1-3 of the module docstring for fragment ``fr``: flags and (overlap) the copy of
+        the local shards on this thread, the rest as one job of the progress engine."""
         locals_ = {i: self.slots[i].local for i in fr.slots}
-        t0 = time.perf_counter()
+        window = self._exposure.begin()
         fr.flags.zero_()
         if locals_:
             # NOTE: tensor ops, no device sync here; the anchor is finite (a refused average is
@@ -754,12 +818,12 @@ class FedAvg:
                 fr.flags[self._fed_index] = (~torch.isfinite(torch.cat(ext))).any().to(torch.int32)
         if self._own is not None:
             for i, t in locals_.items():
-                own, anchor = self._own[i], self._anchor[i]
-                if own.device == t.device:
-                    torch.sub(t, anchor, out=own)  # NOTE: one pass, the same fp32 result as copy, sub
-                else:
-                    own.copy_(t)
-                    own.sub_(anchor)
+                # NOTE: the local shard as of the sync, which the job turns into the own delta;
+                # offloaded on CUDA an asynchronous copy into page-locked memory, ordered on this
+                # stream before the next step writes the shard and before the job reads own
+                self._own[i].copy_(t, non_blocking=True)
+            offloaded = self.offload is not None and self.device.type == "cuda"
+            fr.own_ready = _cuda_event(self.device) if offloaded and fr.exchange is not None else None
         if self.inner_state is InnerState.AVERAGE:
             self._average_inner_state()
         elif self.inner_state is InnerState.RESET:
@@ -769,7 +833,7 @@ class FedAvg:
         if self.federation is not None:
             fr.backup = self._snapshot(fr)
         self._submit(fr)
-        self._exposed_host_s += time.perf_counter() - t0
+        self._exposure.end(window)
 
     def _submit(self, fr: _Fragment) -> None:
         """Queue fragment ``fr``'s exchange (step 3-4) as a job of the progress engine."""
@@ -777,15 +841,19 @@ class FedAvg:
         if self._engine.stream is not None:
             for t in [fr.flags, *xlocals]:
                 t.record_stream(self._engine.stream)
-        exchange, flags, transport = fr.exchange, fr.flags, self.transport
+        exchange, flags, transport, ready = fr.exchange, fr.flags, self.transport, fr.own_ready
 
         def run(job: Job) -> ExchangeResult:
             job.stage = "non-finite flags all-reduce"
             transport.all_reduce(flags, op="sum")
-            # NOTE: every rank of the fed group sees the same flags: all skip the exchange
-            if bool(flags.any()) or exchange is None:
+            if exchange is None:
                 return ExchangeResult()
-            return exchange.run(job, xlocals)
+            if exchange.own is not None:
+                job.stage = "own delta"
+                exchange.own_delta(ready)
+            # NOTE: every rank of the fed group sees the same flags: none applies a bucket; on
+            # the device, so the job never waits on the host between its collectives
+            return exchange.run(job, xlocals, skip=flags.any())
 
         name = f"FedAvg exchange of step {fr.sync_step}" + (f" (fragment {fr.index})" if self.fragments > 1 else "")
         fr.job = self._engine.submit(run, name)
@@ -806,25 +874,23 @@ class FedAvg:
                               f"{self.overlap_steps} step(s) after they started ({LATE_EXCHANGES} in a row), "
                               "so the loop waits for them; raise overlap_steps (<= sync_every), use fragments "
                               "or a faster codec", stacklevel=4)
-        t0 = time.perf_counter()
-        ev0 = self._record_event()
+        window = self._exposure.begin()
         nb = fr.exchange.bar.num_buckets if fr.exchange is not None else 0
         if self.federation is None:
             res: ExchangeResult = job.wait(self.mesh.timeout * (2 * nb + 2))
         else:
             res = self._settle(fr, job, nb)
         fr.applied += 1
-        ev1 = self._record_event()
-        if ev0 is not None:
-            self._exposed_events.append((ev0, ev1))
+        # NOTE: the flags stay on the device until the one host read below (after the window)
         wf = self._world_flags
         wf.zero_()
-        for r, f in zip(self.fed_ranks, fr.flags.tolist()):
-            if f:
-                wf[r] = 1
-        wf[-1] = int(bool(res.bad_buckets))
+        wf.index_copy_(0, self._fed_rank_index, fr.flags.clamp(max=1))
+        if res.bad is not None:
+            if res.bad.is_cuda:
+                res.bad.record_stream(torch.cuda.current_stream(res.bad.device))  # NOTE: made on the engine's stream
+            wf[-1] = res.bad.any()
         self.group_transport.all_reduce(wf, op="max")
-        self._exposed_host_s += time.perf_counter() - t0
+        self._exposure.end(window)
         if bool(wf.any()):
             if fr.exchange is not None:
                 fr.exchange.sanitize()
@@ -833,13 +899,6 @@ class FedAvg:
             # NOTE: piece by piece along the buckets: no full-size copy of an offloaded own delta
             fr.exchange.add_own([self.slots[i].local for i in fr.xidx])
         self.num_syncs += 1
-
-    def _record_event(self) -> Any:
-        if self.device.type != "cuda":
-            return None
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
 
     def _refuse(self, world_flags: Tensor, fr: _Fragment) -> None:
         flags = world_flags.tolist()

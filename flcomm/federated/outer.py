@@ -50,16 +50,24 @@ class OuterOptimizer:
         self.buffers = [torch.zeros_like(a) for a in param_anchors] if self.kind is Outer.NESTEROV else []
 
     @torch.no_grad()
-    def piece_(self, mean: Tensor, buf: Tensor | None) -> Tensor:
+    def piece_(self, mean: Tensor, buf: Tensor | None, ok: Tensor | None = None) -> Tensor:
         """Turn a piece of the mean delta, in place, into the anchor's displacement (``anchor +=
         result``) and return it; ``buf`` is the same piece of the momentum buffer (nesterov),
-        updated in place. Elementwise, so a tensor may be updated bucket by bucket."""
+        updated in place. Elementwise, so a tensor may be updated bucket by bucket.
+
+        ``ok``: a 0-dim bool tensor on the device; where it is False the caller has zeroed
+        ``mean`` and ``buf`` is left as it was (``buf * 1 + -0``), without reading ``ok`` on the
+        host. The displacement is then not zero: the caller drops it."""
         if self.kind is Outer.AVG:
             return mean
         if buf is None:
             raise RuntimeError("the nesterov outer update needs the momentum buffer: call allocate() first")
         mean.neg_()  # pseudo-gradient g = old minus new
-        buf.mul_(self.momentum).add_(mean)
+        mu: float | Tensor = self.momentum
+        if ok is not None:
+            # NOTE: in buf's dtype, so buf * mu rounds as with the Python scalar
+            mu = torch.full((), self.momentum, dtype=buf.dtype, device=buf.device).masked_fill_(~ok, 1.0)
+        buf.mul_(mu).add_(mean)
         mean.add_(buf, alpha=self.momentum).mul_(-self.lr)  # Nesterov: -lr * (g + momentum * buf)
         return mean
 
