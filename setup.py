@@ -191,7 +191,10 @@ def extensions():
 
     debug = os.environ.get("DEBUG", "0") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
-    cxx_flags = opt + ["-fopenmp"]  # NOTE: torch picks -std (C++20 since 2.13)
+    # NOTE: torch picks -std (C++20 since 2.13). -ffp-contract=off: GCC fuses a * b + c (vector
+    # intrinsics included) into an FMA wherever FMA is enabled, as it is in quant.cpp's AVX-512
+    # functions; the fused rounding would break the bit-for-bit match with the reference.
+    cxx_flags = opt + ["-fopenmp", "-ffp-contract=off"]
     define_macros = []
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     include_dirs = [os.path.join(ROOT, "csrc")]

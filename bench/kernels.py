@@ -13,7 +13,15 @@ For each device, format, block size and size:
      hits all three alike; each time is the median over rounds;
   3. ``gbps = bytes / time``; ``copy_gbps``: the same bytes at the copy's time (the ceiling);
      ``torch_ops_gbps``: at the torch version's time. ``of_copy = gbps / copy_gbps``,
-     ``vs_torch = gbps / torch_ops_gbps``.
+     ``vs_torch = gbps / torch_ops_gbps``;
+  4. ``load``: the 1-minute load average (``uptime``'s first figure) when the row was measured;
+     the full ``uptime`` line is printed before and after the run. The figures hold for the
+     machine's state: with a load of 1 or more on a CPU run, other processes shared the cores.
+
+The copy is ``torch.Tensor.copy_`` of uint8 tensors on the same device with torch's threads (as
+many as the native kernel's ``at::parallel_for``); note that a kernel's traffic is not split
+between reads and writes as the copy's is (quantize reads 4x what it writes, dequantize the
+reverse), so a fraction above 1 is possible where reads and writes cost differently.
 
 Usage::
 
@@ -23,7 +31,10 @@ Usage::
 
 ``--json PATH`` writes a list of records: kernel, device, codec, bytes, gbps, copy_gbps,
 torch_ops_gbps, plus block_size, numel, size_bytes (fp32 input), time_us, copy_time_us,
-torch_ops_time_us, of_copy, vs_torch, threads.
+torch_ops_time_us, of_copy, vs_torch, threads, load.
+
+Sizes: ``--sizes 64M 256M 1G`` (K/M/G: powers of 1024 bytes of fp32 input); a GPU run wants 256M
+or more, since 64 MiB fits in an H200's L2.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -65,6 +77,7 @@ class KernelRecord:
     of_copy: float
     vs_torch: float
     threads: int
+    load: float
 
 
 def parse_size(s: str) -> int:
@@ -97,8 +110,9 @@ def _time(fn: Callable[[], object], device: torch.device, iters: int) -> float:
 
 
 def side_by_side(fns: dict[str, Callable[[], object]], device: torch.device, iters: int, rounds: int,
-                 warmup: int = 2) -> dict[str, float]:
-    """Median seconds per call of each function, timed in interleaved rounds."""
+                 warmup: int = 2, stat: str = "median") -> dict[str, float]:
+    """Median (or with ``stat="min"`` the fastest) round's seconds per call of each function,
+    timed in interleaved rounds."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -107,11 +121,12 @@ def side_by_side(fns: dict[str, Callable[[], object]], device: torch.device, ite
     for _ in range(rounds):
         for k, fn in fns.items():
             times[k].append(_time(fn, device, iters))
-    return {k: statistics.median(v) for k, v in times.items()}
+    pick = min if stat == "min" else statistics.median
+    return {k: pick(v) for k, v in times.items()}
 
 
 def bench_case(device: torch.device, fmt: str, block: int, numel: int, which: list[str], iters: int,
-               rounds: int) -> list[KernelRecord]:
+               rounds: int, stat: str = "median") -> list[KernelRecord]:
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(numel, generator=g).to(device)
     res = (torch.randn(numel, generator=g) * 0.01).to(device)
@@ -140,7 +155,7 @@ def bench_case(device: torch.device, fmt: str, block: int, numel: int, which: li
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         t = side_by_side({"native": make("native"), "torch": make("torch"), "copy": lambda: dst.copy_(src)},
-                         device, iters, rounds)
+                         device, iters, rounds, stat=stat)
         del src, dst
         gb = lambda s: nbytes / s / 1e9  # noqa: E731
         records.append(KernelRecord(
@@ -148,20 +163,30 @@ def bench_case(device: torch.device, fmt: str, block: int, numel: int, which: li
             copy_gbps=gb(t["copy"]), torch_ops_gbps=gb(t["torch"]), block_size=block, numel=numel,
             size_bytes=F, time_us=t["native"] * 1e6, copy_time_us=t["copy"] * 1e6,
             torch_ops_time_us=t["torch"] * 1e6, of_copy=t["copy"] / t["native"],
-            vs_torch=t["torch"] / t["native"], threads=torch.get_num_threads()))
+            vs_torch=t["torch"] / t["native"], threads=torch.get_num_threads(), load=os.getloadavg()[0]))
     return records
 
 
-HEADER = (f"#{'device':>6} {'codec':>5} {'block':>5} {'kernel':>15} {'size':>10} {'bytes':>11} {'time':>9} "
-          f"{'GB/s':>7} {'copy':>7} {'torch':>7} {'%copy':>6} {'xtorch':>6}\n"
+HEADER = (f"# bytes: read + written by the kernel; copy: dst.copy_(src) of bytes/2 (reads bytes/2, writes\n"
+          f"# bytes/2: the same total), timed interleaved with the kernel; %copy = GB/s / copy GB/s\n"
+          f"#{'device':>6} {'codec':>5} {'block':>5} {'kernel':>15} {'size':>10} {'bytes':>11} {'time':>9} "
+          f"{'GB/s':>7} {'copy':>7} {'torch':>7} {'%copy':>6} {'xtorch':>6} {'load':>5}\n"
           f"#{'':>6} {'':>5} {'':>5} {'':>15} {'(fp32 B)':>10} {'(moved)':>11} {'(us)':>9} "
-          f"{'':>7} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'':>6}")
+          f"{'':>7} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'':>6} {'(1m)':>5}")
 
 
 def fmt_row(r: KernelRecord) -> str:
     return (f" {r.device:>6} {r.codec:>5} {r.block_size:>5} {r.kernel:>15} {r.size_bytes:>10} {r.bytes:>11} "
             f"{r.time_us:>9.1f} {r.gbps:>7.2f} {r.copy_gbps:>7.2f} {r.torch_ops_gbps:>7.2f} "
-            f"{100 * r.of_copy:>5.0f}% {r.vs_torch:>6.2f}")
+            f"{100 * r.of_copy:>5.0f}% {r.vs_torch:>6.2f} {r.load:>5.2f}")
+
+
+def uptime() -> str:
+    """``uptime``'s line (its load averages), or the load averages alone where it is missing."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "load average: " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
 def main(argv: list[str] | None = None) -> list[KernelRecord]:
@@ -175,6 +200,9 @@ def main(argv: list[str] | None = None) -> list[KernelRecord]:
                    help="fp32 input sizes in bytes (K/M/G suffixes)")
     p.add_argument("--iters", type=int, default=5, help="calls per timed round")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (the median is kept)")
+    p.add_argument("--stat", choices=("median", "min"), default="median",
+                   help="which round's time to keep per function (min: the fastest, for a loaded machine; "
+                        "the same statistic for kernel, copy and torch ops)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
     args = p.parse_args(argv)
@@ -184,6 +212,8 @@ def main(argv: list[str] | None = None) -> list[KernelRecord]:
         torch.set_num_threads(args.threads)
     devices = args.device or (["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
     records: list[KernelRecord] = []
+    print(f"# uptime before: {uptime()}", flush=True)
+    print(f"# times: the {args.stat} of {args.rounds} interleaved rounds of {args.iters} calls", flush=True)
     print(HEADER, flush=True)
     for dev in devices:
         device = torch.device(dev)
@@ -194,10 +224,15 @@ def main(argv: list[str] | None = None) -> list[KernelRecord]:
             blocks = args.block_sizes if fmt in kernels.BLOCKED_FORMATS else [kernels.DEFAULT_BLOCK_SIZE]
             for block in blocks:
                 for size in args.sizes:
-                    for r in bench_case(device, fmt, block, size // 4, args.kernels, args.iters, args.rounds):
+                    for r in bench_case(device, fmt, block, size // 4, args.kernels, args.iters, args.rounds,
+                                        args.stat):
                         print(fmt_row(r), flush=True)
                         records.append(r)
+    print(f"# uptime after: {uptime()}", flush=True)
     for r in records:
+        if r.kernel in ("quantize", "dequantize") and r.codec == "int8":
+            print(f"# {r.device} int8 {r.kernel} (block {r.block_size}, {r.size_bytes} B): "
+                  f"{100 * r.of_copy:.0f}% of copy (target 70%), load {r.load:.2f}")
         if r.kernel == "quant+dequant" and r.codec == "int8":
             target = 0.7 if r.device == "cuda" else 0.5
             print(f"# {r.device} int8 quant+dequant (block {r.block_size}, {r.size_bytes} B): "

@@ -1,7 +1,8 @@
 """Native quantization kernels against the plain-torch reference, bit for bit: every format x
 block size x size (including sizes that are not a multiple of the block or the vector width) x
 magnitude, for quantize, dequantize, dequantize-accumulate and the fused error feedback; the
-AVX2 and the scalar CPU path (FLCOMM_CPU_VEC=0, read at every call) each; the non-finite /
+AVX-512, the AVX2 and the scalar CPU path (FLCOMM_CPU_VEC=avx512 / avx2 / 0, read at every call)
+each; the non-finite /
 tiny-block rule of csrc/quant.h on every path; CUDA against CPU when a GPU is present."""
 
 from __future__ import annotations
@@ -37,24 +38,39 @@ def stable_seed(*case: object) -> int:
     return zlib.crc32(repr(case).encode())
 
 
-def cpu_has_avx2() -> bool:
+def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
     except OSError:
-        return False
-    return " avx2" in flags and " f16c" in flags
+        pass
+    return set()
 
 
-# The CPU paths: the plain-torch reference, and the native kernels forced to AVX2 or to scalar.
-CPU_PATHS = ["torch", pytest.param("avx2", marks=pytest.mark.skipif(not cpu_has_avx2(), reason="no AVX2+F16C")),
-             "scalar"]
+def cpu_has_avx2() -> bool:
+    return {"avx2", "f16c"} <= cpu_flags()
+
+
+def cpu_has_avx512() -> bool:
+    return cpu_has_avx2() and {"avx512f", "avx512bw"} <= cpu_flags()
+
+
+# FLCOMM_CPU_VEC of each native CPU path (csrc/quant.cpp use_vec: "0" scalar, "avx2" at most
+# AVX2, unset: the best the CPU has).
+VEC_ENV = {"scalar": "0", "avx2": "avx2", "avx512": "avx512"}
+NATIVE_PATHS = [pytest.param("avx512", marks=pytest.mark.skipif(not cpu_has_avx512(), reason="no AVX-512F+BW")),
+                pytest.param("avx2", marks=pytest.mark.skipif(not cpu_has_avx2(), reason="no AVX2+F16C"))]
+# The CPU paths: the plain-torch reference, and the native kernels forced to AVX-512, AVX2 or scalar.
+CPU_PATHS = ["torch", *NATIVE_PATHS, "scalar"]
 
 
 @pytest.fixture
 def cpu_path(request, monkeypatch) -> str:
-    """Selects a CPU path: returns the kernels backend; FLCOMM_CPU_VEC picks AVX2 or scalar."""
-    monkeypatch.setenv("FLCOMM_CPU_VEC", "0" if request.param == "scalar" else "1")
+    """Selects a CPU path: returns the kernels backend; FLCOMM_CPU_VEC picks the native path."""
+    if request.param != "torch":
+        monkeypatch.setenv("FLCOMM_CPU_VEC", VEC_ENV[request.param])
     return "torch" if request.param == "torch" else "native"
 
 
@@ -100,15 +116,68 @@ def compare(device: str, backend_a: str = "native", backend_b: str = "torch", qu
     return count
 
 
-def test_cpu_native_matches_reference_bit_for_bit(monkeypatch):
-    monkeypatch.setenv("FLCOMM_CPU_VEC", "1")
+@pytest.mark.parametrize("vec", NATIVE_PATHS)
+def test_cpu_native_matches_reference_bit_for_bit(monkeypatch, vec):
+    monkeypatch.setenv("FLCOMM_CPU_VEC", VEC_ENV[vec])
     assert compare("cpu") == 2 * len(BLOCKS) * len(SIZES) * len(MAGS) + 2 * len(SIZES) * len(MAGS)
 
 
 def test_cpu_scalar_path_matches_reference(monkeypatch):
-    """The portable path (no AVX2), forced in-process: FLCOMM_CPU_VEC is read at every call."""
+    """The portable path (no vector code), forced in-process: FLCOMM_CPU_VEC is read at every call."""
     monkeypatch.setenv("FLCOMM_CPU_VEC", "0")
     assert compare("cpu", quick=True) > 0
+
+
+@pytest.mark.parametrize("cpu_path", CPU_PATHS, indirect=True)
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_dequantize_every_byte_bit_for_bit(cpu_path, fmt):
+    """Every payload byte (fp8: the NaN bytes 0x7f / 0xff and the subnormals too, which the
+    vector code decodes arithmetically instead of by table) times normal, subnormal, zero and NaN
+    scales, plain and accumulated; the bits against torch's own conversion (not the reference's
+    ``same``, which takes any NaN for any other)."""
+    B = 256
+    scales = torch.tensor([1.0, 3.0e-3, 2.0 ** -140, 0.0, float("nan"), 7.5e30, -1.0])
+    n = B * scales.numel() - 5  # a partial last block
+    buf = torch.zeros(kernels.encoded_nbytes(n, fmt, B), dtype=torch.uint8)
+    payload, sc = kernels.split_encoded(buf, n, fmt, B)
+    payload.view(torch.uint8).copy_(torch.arange(n) % 256)
+    sc.copy_(scales)
+    codes = payload.view(torch.uint8)
+    vals = codes.view(torch.int8).float() if fmt == "int8" else codes.view(torch.float8_e4m3fn).float()
+    per_elem = scales.repeat_interleave(B)[:n]
+    expect = vals * per_elem
+    # NOTE: NaN byte times NaN scale: which NaN comes out depends on the operand order the
+    # compiler picked (x86 returns the first operand's); any NaN is right there.
+    either = vals.isnan() & per_elem.isnan()
+
+    def check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        diff = (got.view(torch.int32) != want.view(torch.int32)) & ~either
+        assert not diff.any() and got[either].isnan().all(), (what, fmt, diff.nonzero()[:4].flatten().tolist())
+
+    check(kernels.dequantize(buf, n, fmt=fmt, block_size=B, backend=cpu_path), expect, "dequantize")
+    acc = torch.linspace(-2, 2, n)
+    want = acc + expect
+    kernels.dequantize(buf, n, acc, fmt=fmt, block_size=B, accumulate=True, backend=cpu_path)
+    check(acc, want, "dequantize-accumulate")
+
+
+@pytest.mark.parametrize("vec", NATIVE_PATHS)
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_dequantize_large_output_bit_for_bit(monkeypatch, vec, fmt):
+    """Outputs of 32 MiB and more (csrc/quant.cpp kStreamBytes) are written with streaming
+    stores: those, a partial last block and an output that misses their alignment, against the
+    reference."""
+    monkeypatch.setenv("FLCOMM_CPU_VEC", VEC_ENV[vec])
+    B = 256
+    n = (32 << 20) // 4 + 3 * B + 5
+    x = _x(n, 1.0, stable_seed("large", fmt))
+    enc = kernels.quantize(x, fmt=fmt, block_size=B, backend="torch")
+    want = kernels.dequantize(enc, n, fmt=fmt, block_size=B, backend="torch")
+    assert torch.equal(kernels.dequantize(enc, n, fmt=fmt, block_size=B, backend="native"), want)
+    base = torch.empty(n + 1)
+    shifted = base[1:]  # 4 bytes past a 64-byte boundary: plain stores
+    kernels.dequantize(enc, n, shifted, fmt=fmt, block_size=B, backend="native")
+    assert torch.equal(shifted, want)
 
 
 def test_stable_seed_is_process_independent():
