@@ -59,8 +59,9 @@ def round_to_grid(v: Tensor, grid: str) -> Tensor:
 
 
 def half_ulp(v: Tensor, grid: str) -> Tensor:
-    """Half the grid spacing at float64 ``v``: the largest error of rounding ``v`` to ``grid``."""
-    return torch.ldexp(torch.full_like(v, 0.5), _ulp_exponent(v, grid))
+    """Half the grid spacing at float64 ``v``: the largest error of rounding ``v`` to ``grid``
+    (0 at 0, which is on every grid)."""
+    return torch.where(v == 0, 0.0, torch.ldexp(torch.full_like(v, 0.5), _ulp_exponent(v, grid)))
 
 
 def _blocks(x: Tensor, block: int) -> Tensor:
