@@ -55,10 +55,12 @@ def plain_forward(w: dict[str, torch.Tensor], cfg: ModelConfig, tokens: torch.Te
         return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * weight
 
     freqs = cfg.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-    rot = torch.polar(torch.ones(T, hd // 2, dtype=torch.float64), torch.arange(T, dtype=torch.float64)[:, None] * freqs)
+    pos = torch.arange(T, dtype=torch.float64)[:, None]
+    rot = torch.polar(torch.ones(T, hd // 2, dtype=torch.float64), pos * freqs)
 
     def rope(t):  # [B, T, hd]
-        return torch.view_as_real(torch.view_as_complex(t.reshape(B, T, hd // 2, 2).contiguous()) * rot).reshape(B, T, hd)
+        c = torch.view_as_complex(t.reshape(B, T, hd // 2, 2).contiguous())
+        return torch.view_as_real(c * rot).reshape(B, T, hd)
 
     mask = torch.full((T, T), float("-inf"), dtype=torch.float64).triu(1)
     x = w["tok_embeddings.weight"][tokens]
@@ -76,7 +78,8 @@ def plain_forward(w: dict[str, torch.Tensor], cfg: ModelConfig, tokens: torch.Te
         x = x + torch.cat(heads, dim=-1) @ w[p + "attention.wo.weight"].T
         f = rms(x, w[p + "ffn_norm.weight"])
         gate = f @ w[p + "feed_forward.w1.weight"].T
-        x = x + (gate * torch.sigmoid(gate) * (f @ w[p + "feed_forward.w3.weight"].T)) @ w[p + "feed_forward.w2.weight"].T
+        up = f @ w[p + "feed_forward.w3.weight"].T
+        x = x + (gate * torch.sigmoid(gate) * up) @ w[p + "feed_forward.w2.weight"].T
     return rms(x, w["norm.weight"]) @ w["output.weight"].T
 
 

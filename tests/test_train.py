@@ -364,7 +364,8 @@ def test_metrics_files(strategy_runs):
             assert rec["tokens_per_s"] > 0 and rec["step_time_s"] > 0
         # the schedule and the token count the run reports, against the documented rules
         assert [r["lr"] for r in run.steps] == pytest.approx([reference_lr(t) for t in (1, 2, 3, 4)], rel=1e-12)
-        assert [r["tokens"] for r in run.steps] == [4 * SMALL["batch_size"] * SMALL["seq_len"] * t for t in (1, 2, 3, 4)]
+        step_tokens = 4 * SMALL["batch_size"] * SMALL["seq_len"]
+        assert [r["tokens"] for r in run.steps] == [step_tokens * t for t in (1, 2, 3, 4)]
         assert "eval_loss" in run.steps[-1] and "eval_loss" not in run.steps[0]
         assert run.steps[-1]["eval_ppl"] == pytest.approx(math.exp(run.steps[-1]["eval_loss"]))
     fsdp = runs["fsdp"].steps
