@@ -267,7 +267,8 @@ class ElasticResult:
     bound_s: float = 0.0               # grace + 10 s (issue target), from the survivors' failed round
     within_bound: bool = False
     steps: list[int] = field(default_factory=list)
-    tokens_lost: int = 0               # the lost group's tokens since its last committed round
+    fault_step: int | None = None      # the step the faulty rank's first incarnation was last seen at (heartbeat)
+    tokens_lost: float = 0             # the lost group's tokens since its last committed round (from the reports)
     tokens: int = 0                    # every token the run trained on
     final_groups: list[int] = field(default_factory=list)
     rejoined_equal: bool | None = None  # the rejoined group's parameters equal the survivors' (stopped_at)
@@ -340,7 +341,7 @@ def run_elastic_fault(phase: str, workdir: str, grace_s: float = 3.0, rejoin: bo
             + (["--rejoin"] if rejoin else []) + list(extra))
     env = _env(FLCOMM_FAULT=f"{ELASTIC_RANK}:{step}:{mphase}:{action}")
     err_path = os.path.join(workdir, "stderr.txt")
-    t_fault = joined = None
+    t_fault = joined = first = None
     groups = list(range(4))
     with open(err_path, "w") as err:
         p = subprocess.Popen([sys.executable, "-m", "flcomm.train", *args], env=env, stdout=subprocess.DEVNULL,
@@ -349,6 +350,8 @@ def run_elastic_fault(phase: str, workdir: str, grace_s: float = 3.0, rejoin: bo
         while p.poll() is None and time.monotonic() < deadline:
             # NOTE: the faulty rank's heartbeat of the phase it dies in (a restarted rank overwrites it)
             hb = read_heartbeat(log_dir, ELASTIC_RANK)
+            if hb is not None and (first is None or hb.get("pid") == first["pid"]):
+                first = hb  # NOTE: the first incarnation's; a restarted rank has another pid
             if t_fault is None and hb is not None and hb.get("step") == step and hb.get("phase") == mphase:
                 t_fault = float(hb["t"])
             if rejoin:
@@ -388,8 +391,15 @@ def run_elastic_fault(phase: str, workdir: str, grace_s: float = 3.0, rejoin: bo
             res.resume_s = float(after[0]["wall_time"]) - t_fault
         # NOTE: the survivors' failed round ends the membership round; from there to training
         res.within_bound = res.membership_s <= res.bound_s and ended
-        last_round = lost[0]["step"] - ELASTIC_E
-        res.tokens_lost = (step - last_round) * ELASTIC_G * ELASTIC_BATCH * ELASTIC_SEQ
+        # NOTE: from what the run reported: the round the group was lost at, less the run's
+        # sync_every, is its last committed one; it had begun the steps up to its last heartbeat;
+        # a group's step is a step's tokens (cumulative: over the steps) over the groups that ran it
+        res.fault_step = int(first["step"]) if first is not None else None
+        last_round = lost[0]["step"] - m.config["sync_every"]
+        per_group_step = m.steps[0]["tokens"] / m.steps[0]["step"] / len(lost[0]["previous_groups"])
+        if res.fault_step is not None:
+            lost_tokens = (res.fault_step - last_round) * per_group_step
+            res.tokens_lost = int(lost_tokens) if lost_tokens == int(lost_tokens) else lost_tokens
     if res.stopped_at is not None:
         res.rejoined_equal = group_params_equal(ckpt_dir, groups, res.stopped_at)
     return res
@@ -403,7 +413,7 @@ def format_elastic(rows: list[ElasticResult]) -> str:
         equal = {None: "-", True: "y", False: "n"}[r.rejoined_equal]
         lines.append(f"{r.case:<28} {str(r.rc):>3} {str(r.lost):>5} {str(r.rejoined):>6} {r.grace_s:>5.1f} "
                      f"{r.membership_s or 0:>8.2f} {r.resume_s or 0:>8.2f} {r.bound_s:>5.1f} "
-                     f"{'y' if r.within_bound else 'n':>3} {r.tokens_lost:>8} {r.tokens:>7} "
+                     f"{'y' if r.within_bound else 'n':>3} {r.tokens_lost:>8g} {r.tokens:>7} "
                      f"{str(r.final_groups):>10} {equal:>5} {str(r.stopped_at or '-'):>4}")
     return "\n".join(lines)
 

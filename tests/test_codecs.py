@@ -1,5 +1,7 @@
 """Codecs: registry and errors; every codec's round trip over a grid of size x magnitude against
-the format's error bound; the layout (payload and scales in one buffer) read back by hand."""
+the format's error bound (derived in tests/format_ref.py from the format's definition, not
+flcomm's ``Codec.error_bound``, which has a test of its own); the layout (payload and scales in
+one buffer) read back by hand."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 
 from flcomm import kernels
 from flcomm.codecs import CODECS, Codec, KernelCodec, get_codec, register_codec
+from tests import format_ref
 
 SIZES = [1, 7, 255, 256, 257, 1000, 4099]
 MAGS = [1e-6, 1e-2, 1.0, 1e3]
@@ -88,12 +91,43 @@ def test_round_trip_within_format_bound(name, block):
             buf = c.encode(x)
             assert buf.dtype == torch.uint8 and buf.numel() == c.encoded_nbytes(n)
             y = c.decode(buf, n)
-            err = (y - x).abs()
-            bound = c.error_bound(x)
-            assert bool((err <= bound).all()), (name, n, mag, float((err - bound).max()))
+            if name == "none":
+                assert torch.equal(y, x)
+            else:
+                err = (y.double() - x.double()).abs()
+                bound = format_ref.error_bound(x, name, block)
+                assert bool((err <= bound).all()), (name, n, mag, float((err - bound).max()))
             acc = torch.full((n,), 0.5)
             c.decode_accumulate(buf, n, acc)
             assert torch.allclose(acc, y + 0.5, rtol=0, atol=1e-6 * max(1.0, mag * 40))
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "int8", "fp8"])
+def test_codec_error_bound_against_the_format(name):
+    """``Codec.error_bound`` (a documented per-element bound) over the grid: never below the
+    largest rounding error the format allows (tests/format_ref.py, less its fp32 slack, so it
+    holds for the worst case too) and at most twice the format's bound plus half the step of
+    its subnormal grid (not vacuous)."""
+    block = 32
+    c = get_codec(name, block_size=block)
+    for n in SIZES:
+        for mag in MAGS:
+            x = _x(n, mag)
+            fmt_bound = format_ref.error_bound(x, name, block)
+            amax = _block_absmax(x, block)
+            worst = fmt_bound - (5 * format_ref.U32 * amax if name in ("int8", "fp8") else 0)
+            floor = {"bf16": 2.0 ** -134, "fp16": 2.0 ** -25, "int8": 0.0, "fp8": 2.0 ** -10 * amax / 448}[name]
+            got = c.error_bound(x).double()
+            assert bool((got >= worst).all()), (name, n, mag, float((worst - got).max()))
+            assert bool((got <= 2 * fmt_bound + floor).all()), (name, n, mag, float((got - 2 * fmt_bound).max()))
+
+
+def _block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """float64 absmax of each element's block."""
+    n = x.numel()
+    xb = torch.zeros(-(-n // block) * block, dtype=torch.float64)
+    xb[:n] = x.double().abs()
+    return xb.view(-1, block).amax(dim=1).repeat_interleave(block)[:n]
 
 
 def test_int8_layout_and_exact_values():

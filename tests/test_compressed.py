@@ -1,14 +1,14 @@
 """Compressed two-hop all-reduce on gloo against (a) the exact all-reduce with the format's
-error bound, (b) a single-process simulation of the two hops with the plain-torch reference
-kernels (bit for bit), (c) error feedback over K rounds, (d) wire bytes vs fp32."""
+error bound, (b) a single-process simulation of the two hops with the formats written from
+their definitions (tests/format_ref.py, no flcomm code; bit for bit), (c) error feedback over K
+rounds, (d) wire bytes vs fp32."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flcomm import kernels
-from flcomm.codecs import get_codec
+from tests import format_ref
 from tests.dist import run_distributed
 
 CODEC_NAMES = ["none", "bf16", "fp16", "int8", "fp8"]
@@ -38,14 +38,26 @@ def _cases(world: int):
 
 
 # ---- the independent references ----
+#: the codecs' default block size (flcomm.kernels.DEFAULT_BLOCK_SIZE, documented as 256)
+BLOCK = 256
+
+
 def _align(name: str, block: int) -> int:
     return {"none": 4, "bf16": 8, "fp16": 8}.get(name, block)
 
 
-def simulate_two_hop(xs: list[torch.Tensor], name: str, op: str, block: int = kernels.DEFAULT_BLOCK_SIZE,
+def _round_trip(x: torch.Tensor, name: str, block: int) -> torch.Tensor:
+    return x.clone() if name == "none" else format_ref.round_trip(x, name, block)
+
+
+def simulate_two_hop(xs: list[torch.Tensor], name: str, op: str, block: int = BLOCK,
                      residuals: list[torch.Tensor] | None = None):
-    """Single-process two-hop all-reduce with the reference kernels. Returns (result, reduced
-    values before the second quantization, new residuals)."""
+    """Single-process two-hop all-reduce with the formats of tests/format_ref.py. Steps: pad to
+    W chunks of whole blocks; hop 1: every rank's chunk j is encoded and decoded (rank j's
+    share); the shares are summed in rank order (/ W for avg); hop 2: the reduced chunk is
+    encoded and decoded again. Returns (result, reduced values before the second quantization,
+    new residuals: each rank's hop-1 error plus, on its own chunk, the hop-2 error (x W for
+    avg))."""
     W, n = len(xs), xs[0].numel()
     c = -(-n // W)
     a = _align(name, block)
@@ -61,39 +73,31 @@ def simulate_two_hop(xs: list[torch.Tensor], name: str, op: str, block: int = ke
           zip(xs, residuals if residuals is not None else xs)]
     deq = []
     for y in ys:
-        d = torch.empty(P)
-        for j in range(W):
-            buf = torch.empty(kernels.encoded_nbytes(c, name, block), dtype=torch.uint8)
-            kernels.quantize_ref(y[j * c:(j + 1) * c], buf, fmt=name, block_size=block)
-            kernels.dequantize_ref(buf, d[j * c:(j + 1) * c], fmt=name, block_size=block)
-        deq.append(d)
+        deq.append(torch.cat([_round_trip(y[j * c:(j + 1) * c], name, block) for j in range(W)]))
     new_res = [y - d for y, d in zip(ys, deq)]
     acc = torch.zeros(P)
     for d in deq:
         acc += d
     if op == "avg":
         acc /= W
-    out = torch.empty(P)
+    out = torch.cat([_round_trip(acc[j * c:(j + 1) * c], name, block) for j in range(W)])
     for j in range(W):
-        buf = torch.empty(kernels.encoded_nbytes(c, name, block), dtype=torch.uint8)
-        kernels.quantize_ref(acc[j * c:(j + 1) * c], buf, fmt=name, block_size=block)
-        kernels.dequantize_ref(buf, out[j * c:(j + 1) * c], fmt=name, block_size=block)
         e = acc[j * c:(j + 1) * c] - out[j * c:(j + 1) * c]
         new_res[j][j * c:(j + 1) * c] += e * (W if op == "avg" else 1)
     return out[:n], acc[:n], [r[:n] for r in new_res]
 
 
 def two_hop_bound(xs: list[torch.Tensor], reduced: torch.Tensor, name: str, op: str) -> torch.Tensor:
-    """Per-element bound from the format: sum of the hop-1 bounds (over W for avg) plus the hop-2
-    bound of the reduced values, plus fp32 summation slack."""
-    codec = get_codec(name)
+    """Per-element bound from the format's definition (tests/format_ref.py): sum of the hop-1
+    bounds (over W for avg) plus the hop-2 bound of the reduced values, plus fp32 summation
+    slack."""
     W = len(xs)
     # NOTE: chunks are whole blocks, so blocking the whole tensor gives the chunks' blocks
-    h1 = sum(codec.error_bound(x) for x in xs)
+    h1 = sum(format_ref.error_bound(x, name, BLOCK) for x in xs)
     if op == "avg":
         h1 = h1 / W
-    slack = sum(x.abs() for x in xs) * (W * 2.0**-22) / (W if op == "avg" else 1)
-    return h1 + codec.error_bound(reduced) + slack + 1e-30
+    slack = sum(x.abs().double() for x in xs) * (W * 2.0**-22) / (W if op == "avg" else 1)
+    return h1 + format_ref.error_bound(reduced, name, BLOCK) + slack + 1e-30
 
 
 # ---- distributed body ----
@@ -142,7 +146,7 @@ def _check_grid(world: int, results: list[dict]) -> None:
         assert torch.equal(y, sim), ("differs from the reference simulation", name, n, mag, op,
                                      float((y - sim).abs().max()))
         bound = two_hop_bound(xs, reduced, name, op)
-        err = (y - exact).abs()
+        err = (y.double() - exact.double()).abs()
         assert bool((err <= bound).all()), (name, n, mag, op, float((err - bound).max()))
     m, same_storage = results[0]["2d"]
     xs = [_x(r, 999, 300, 1.0) for r in range(world)]
@@ -289,11 +293,10 @@ def test_bad_inputs(run3):
 def simulate_ring(xs: list[torch.Tensor], name: str) -> torch.Tensor:
     """A ring reduce that re-quantizes the partial sum at every hop (what the two-hop design
     avoids): returns the average."""
-    codec = get_codec(name)
     partial = xs[0].clone()
     for x in xs[1:]:
-        partial = codec.decode(codec.encode(partial), partial.numel()) + x
-    partial = codec.decode(codec.encode(partial), partial.numel())
+        partial = _round_trip(partial, name, BLOCK) + x
+    partial = _round_trip(partial, name, BLOCK)
     return partial / len(xs)
 
 

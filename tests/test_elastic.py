@@ -93,8 +93,12 @@ def test_survivors_equal_the_simulation_without_the_lost_group(case):
 
 
 # ---------------------------------------------------------------- the driver and its launcher
-# 8 ranks as 4 groups x 2 (bench/faults.py's elastic rows): E = 4, rank 3 killed.
-ROUND_TOKENS = 4 * 2 * 2 * 32  # one round of one group: E steps x G ranks x batch x seq_len
+# 8 ranks as 4 groups x 2 (bench/faults.py's elastic rows: --sync-every 4 --batch-size 2
+# --seq-len 32), rank 3 (group 1) killed; the lost group loses the steps it began since its last
+# committed round (the step it dies in included: its batch was drawn). NOTE: faults.py counts
+# them from what the run reports (heartbeat, metrics); these counts are the test's own.
+GROUP_STEP_TOKENS = 2 * 2 * 32  # one step of one group: G ranks x batch x seq_len
+ROUND_TOKENS = 4 * GROUP_STEP_TOKENS  # one round of one group: E steps
 
 
 def test_killed_rank_costs_its_group_only_and_the_group_rejoins(tmp_path):
@@ -108,7 +112,8 @@ def test_killed_rank_costs_its_group_only_and_the_group_rejoins(tmp_path):
     assert r.stopped_at <= r.steps[-1] < faults.ELASTIC_REJOIN_STEPS
     assert r.steps == list(range(1, r.steps[-1] + 1)), r.steps  # the survivors never went back
     assert r.within_bound and r.membership_s <= GRACE_S + 10, r
-    assert 0 < r.tokens_lost <= ROUND_TOKENS
+    # killed in the forward of step 5, one step after its last committed round (step 4)
+    assert r.fault_step == 5 and r.tokens_lost == 1 * GROUP_STEP_TOKENS, r
     # the rejoined group's parameters equal the survivors' a round after it was admitted
     assert r.rejoined_equal, r
 
@@ -121,6 +126,7 @@ def test_killed_in_the_exchange_then_resume_with_fewer_groups(tmp_path):
     assert r.rc == 0 and r.lost == [1] and r.final_groups == [0, 2, 3], r.message[-3000:]
     assert r.steps == list(range(1, 13)) and r.within_bound, r
     assert r.tokens_lost == ROUND_TOKENS  # the round it died in, no more
+    _check_tokens_lost_from_the_files(tmp_path, r.tokens_lost)
     # resume from the per-group checkpoints with 3 groups of 2: group 1's own newest is of step
     # 4, so it takes group 0's of step 12 (anchor, model and optimizer); the others their own
     metrics = str(tmp_path / "resumed.jsonl")
@@ -133,6 +139,21 @@ def test_killed_in_the_exchange_then_resume_with_fewer_groups(tmp_path):
     assert m.config["start_step"] == 12 and m.config["world_size"] == 6
     assert [s["step"] for s in m.steps] == [13, 14, 15, 16]
     _refused_before_launch(tmp_path / "ckpt", args)
+
+
+def _check_tokens_lost_from_the_files(workdir, tokens_lost: float) -> None:
+    """The count another way: the killed rank's last heartbeat (the step it died in), group 1's
+    newest checkpoint (its last committed round: the run saves every round), and the tokens of
+    the run's last step over the 3 groups that ran it."""
+    from flcomm.train.metrics import read_metrics
+    from flcomm.train.monitor import read_heartbeat
+
+    died = read_heartbeat(str(workdir / "log"), 3)
+    assert died is not None and died["state"] == "run" and died["phase"] == "fedavg", died  # killed: no report
+    saved = sorted(int(p.name.split("_")[1]) for p in (workdir / "ckpt" / "group1").glob("step_*"))
+    steps = read_metrics(str(workdir / "m.jsonl")).steps
+    last_step = steps[-1]["tokens"] - steps[-2]["tokens"]
+    assert tokens_lost == (died["step"] - saved[-1]) * last_step / 3
 
 
 def _refused_before_launch(root, args: list[str]) -> None:

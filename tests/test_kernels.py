@@ -1,4 +1,6 @@
-"""Native quantization kernels against the plain-torch reference, bit for bit: every format x
+"""Native quantization kernels against flcomm's plain-torch kernels and against the formats
+written from their definitions in float64 (tests/format_ref.py, which shares no code with
+flcomm), bit for bit: every format x
 block size x size (including sizes that are not a multiple of the block or the vector width) x
 magnitude, for quantize, dequantize, dequantize-accumulate and the fused error feedback; the
 AVX-512, the AVX2 and the scalar CPU path (FLCOMM_CPU_VEC=avx512 / avx2 / 0, read at every call)
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from flcomm import kernels
+from tests import format_ref
 
 pytestmark = pytest.mark.skipif(not kernels.native_supports("cpu"),
                                 reason="flcomm._C without quantization kernels (build with tools/dev_build.sh)")
@@ -79,9 +82,22 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
+def check_definition(x, r, enc, dec, acc, enc_ef, res_ef, fmt: str, B: int) -> None:
+    """The reference side of a case against the format's definition (tests/format_ref.py):
+    encoding, decoding, decode-accumulate onto ``r``, error feedback of ``x`` with residual ``r``."""
+    n, case = x.numel(), (fmt, B, x.numel())
+    assert format_ref.same_encoding(enc, format_ref.encode(x, fmt, B), n, fmt), ("quantize vs definition", case)
+    assert same(dec, format_ref.decode(enc, n, fmt, B)), ("dequantize vs definition", case)
+    assert same(acc, format_ref.decode_accumulate(enc, n, r, fmt, B)), ("dequantize-accumulate vs definition", case)
+    want_enc, want_res = format_ref.error_feedback(x, r, fmt, B)
+    assert format_ref.same_encoding(enc_ef, want_enc, n, fmt), ("error feedback: encoding vs definition", case)
+    assert same(res_ef, want_res), ("error feedback: residual vs definition", case)
+
+
 def compare(device: str, backend_a: str = "native", backend_b: str = "torch", quick: bool = False) -> int:
-    """Run every case on ``device`` with backend_a vs the reference (on CPU); returns the number
-    of cases checked, raises AssertionError naming the first that differs."""
+    """Run every case on ``device`` with backend_a vs backend_b (on CPU), and backend_b against
+    the format's definition; returns the number of cases checked, raises AssertionError naming
+    the first that differs."""
     count = 0
     sizes = SIZES[:-1] if quick else SIZES
     for fmt in FORMATS:
@@ -101,17 +117,18 @@ def compare(device: str, backend_a: str = "native", backend_b: str = "torch", qu
                     assert same(d_got, d_ref), ("dequantize", case)
                     acc_ref = r.clone()
                     kernels.dequantize(ref, n, acc_ref, fmt=fmt, block_size=B, accumulate=True, backend=backend_b)
-                    acc_got = r.to(device)
+                    acc_got = r.clone().to(device)  # NOTE: r.to('cpu') is r itself
                     kernels.dequantize(ref.to(device), n, acc_got, fmt=fmt, block_size=B, accumulate=True,
                                        backend=backend_a)
                     assert same(acc_got.cpu(), acc_ref), ("dequantize-accumulate", case)
                     res_ref = r.clone()
                     e_ref = kernels.quantize_error_feedback(x, res_ref, fmt=fmt, block_size=B, backend=backend_b)
-                    res_got = r.to(device)
+                    res_got = r.clone().to(device)  # NOTE: r.to('cpu') is r itself
                     e_got = kernels.quantize_error_feedback(x.to(device), res_got, fmt=fmt, block_size=B,
                                                             backend=backend_a)
                     assert torch.equal(e_got.cpu(), e_ref), ("error feedback: encoding", case)
                     assert same(res_got.cpu(), res_ref), ("error feedback: residual", case)
+                    check_definition(x, r, ref, d_ref, acc_ref, e_ref, res_ref, fmt, B)
                     count += 1
     return count
 
@@ -263,9 +280,11 @@ def test_non_finite_and_tiny_blocks(cpu_path, fmt, B):
     for b in range(scales.numel()):
         sl = slice(b * B, min(n, (b + 1) * B))
         assert (r[sl].isnan().all() if b in bad else torch.equal(r[sl], y[sl] - dec_y[sl])), b
-    # and the native path is the reference, bit for bit
+    # and every path is the reference and the format's definition, bit for bit
     ref = kernels.quantize(x, fmt=fmt, block_size=B, backend="torch")
     assert torch.equal(enc, ref)
+    check_definition(x, torch.zeros_like(x), enc, dec, kernels.dequantize(enc, n, torch.zeros_like(x), fmt=fmt,
+                     block_size=B, accumulate=True, backend=cpu_path), enc_ef, r, fmt, B)
 
 
 @pytest.mark.parametrize("cpu_path", CPU_PATHS, indirect=True)
@@ -276,6 +295,7 @@ def test_casts_keep_non_finite(cpu_path, fmt):
                              backend=cpu_path)
     expect = x.to(torch.bfloat16 if fmt == "bf16" else torch.float16).float()
     assert same(dec, expect) and dec[0].isnan() and dec[1] == float("inf") and dec[2] == float("-inf")
+    assert same(dec, format_ref.round_trip(x, fmt, 256))
 
 
 def _setup_module():

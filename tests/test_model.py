@@ -1,5 +1,6 @@
 """The Llama-style decoder against independent references: naive attention with explicit
-grouped-query head mapping, complex-number RoPE, the RMSNorm formula, published parameter
+grouped-query head mapping, complex-number RoPE, the RMSNorm formula, the whole decoder (forward
+and gradients) against a plain-torch forward written from the architecture, published parameter
 counts; causality; meta-device builds of the big presets allocate nothing."""
 
 import math
@@ -40,6 +41,70 @@ def naive_attention(x, attn: Attention, theta: float):
         outs.append(a @ v)
     y = torch.cat(outs, dim=-1)
     return y @ attn.wo.weight.double().T
+
+
+def plain_forward(w: dict[str, torch.Tensor], cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
+    """The decoder in plain float64 torch ops from its weights ``w`` (Meta's Llama names):
+    embedding; per block ``h = x + attn(rms(x)); out = h + w2(silu(w1 rms(h)) * w3 rms(h))``;
+    final RMSNorm; output projection. Attention per head, from kv head ``h // (H / Hkv)``, RoPE as
+    complex rotation of pairs (2i, 2i+1) by ``m theta^(-2i / hd)``, causal softmax."""
+    B, T = tokens.shape
+    H, Hkv, hd, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
+
+    def rms(x, weight):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * weight
+
+    freqs = cfg.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    pos = torch.arange(T, dtype=torch.float64)[:, None]
+    rot = torch.polar(torch.ones(T, hd // 2, dtype=torch.float64), pos * freqs)
+
+    def rope(t):  # [B, T, hd]
+        c = torch.view_as_complex(t.reshape(B, T, hd // 2, 2).contiguous())
+        return torch.view_as_real(c * rot).reshape(B, T, hd)
+
+    mask = torch.full((T, T), float("-inf"), dtype=torch.float64).triu(1)
+    x = w["tok_embeddings.weight"][tokens]
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        a = rms(x, w[p + "attention_norm.weight"])
+        wq, wk, wv = (w[p + f"attention.{n}.weight"] for n in ("wq", "wk", "wv"))
+        heads = []
+        for h in range(H):
+            g = h // (H // Hkv)
+            q = rope(a @ wq[h * hd:(h + 1) * hd].T)
+            k = rope(a @ wk[g * hd:(g + 1) * hd].T)
+            v = a @ wv[g * hd:(g + 1) * hd].T
+            heads.append(torch.softmax(q @ k.transpose(1, 2) / math.sqrt(hd) + mask, dim=-1) @ v)
+        x = x + torch.cat(heads, dim=-1) @ w[p + "attention.wo.weight"].T
+        f = rms(x, w[p + "ffn_norm.weight"])
+        gate = f @ w[p + "feed_forward.w1.weight"].T
+        up = f @ w[p + "feed_forward.w3.weight"].T
+        x = x + (gate * torch.sigmoid(gate) * up) @ w[p + "feed_forward.w2.weight"].T
+    return rms(x, w["norm.weight"]) @ w["output.weight"].T
+
+
+def test_decoder_matches_plain_torch_forward_and_gradients():
+    """The whole model, as tests/test_train.py's reference uses it: logits, the loss and every
+    parameter's gradient against :func:`plain_forward` (autograd through plain float64 ops)."""
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64)
+    model = build_model(cfg, seed=5)
+    with torch.no_grad():  # non-trivial norm weights
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.3)
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randint(0, 64, (2, 13), generator=g), torch.randint(0, 64, (2, 13), generator=g)
+    w = {n: p.detach().double().requires_grad_() for n, p in model.named_parameters()}
+    ref = plain_forward(w, cfg, x)
+    ref_loss = -ref.log_softmax(-1).gather(-1, y[..., None]).mean()
+    ref_loss.backward()
+    logits = model(x)
+    loss = lm_loss(logits, y)
+    loss.backward()
+    torch.testing.assert_close(logits.double(), ref.detach(), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(loss.double(), ref_loss.detach(), atol=1e-5, rtol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), w[n].grad, atol=1e-5, rtol=1e-3, msg=n)
 
 
 @pytest.mark.parametrize("H,Hkv", [(4, 4), (4, 2), (8, 2), (4, 1)])

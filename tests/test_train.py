@@ -133,6 +133,8 @@ def test_lr_schedule():
     assert lr_at(cfg, 1) == pytest.approx(0.1) and lr_at(cfg, 10) == pytest.approx(1.0)
     assert lr_at(cfg, 55) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
     assert lr_at(cfg, 100) == pytest.approx(0.1)
+    assert [lr_at(cfg, t) for t in range(1, 101)] == pytest.approx([schedule(t, 1.0, 10, 100, 0.1)
+                                                                    for t in range(1, 101)], rel=1e-12)
 
 
 def test_topology_defaults():
@@ -239,29 +241,61 @@ def _run_strategies(rank: int, world: int, out_dir: str) -> dict:
     return res
 
 
-def _data(world: int):
-    toks = load_tokens(None, None, SMALL["max_tokens"])
-    sp = split_tokens(toks, SMALL["eval_fraction"], world * SMALL["batch_size"] * (SMALL["seq_len"] + 1) + world)
-    return sp
+def reference_batches(world: int, steps: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``batches[step - 1][rank]`` from the documented data rules (flcomm/train/data.py), written
+    here with numpy alone: hold out the last ``max(int(N f), P B (T + 1) + P)`` tokens; rank d
+    reads slice ``[d n // P, (d + 1) n // P)`` of the n train tokens; window j of a slice is its
+    tokens ``[j T, j T + T + 1)`` (inputs the first T, targets the last T), of ``(len - 1) // T``
+    windows; epoch e reads them in the order ``np.random.default_rng([seed, d, e])
+    .permutation``; a batch is the next B windows."""
+    B, T, seed = SMALL["batch_size"], SMALL["seq_len"], SMALL["seed"]
+    toks = np.asarray(load_tokens(None, None, SMALL["max_tokens"]))  # the input: the built-in corpus
+    n_eval = max(int(len(toks) * SMALL["eval_fraction"]), world * B * (T + 1) + world)
+    train = toks[: len(toks) - n_eval]
+    per = len(train) // world
+    out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(steps)]
+    for d in range(world):
+        sl = train[d * per:(d + 1) * per].astype(np.int64)
+        nw = (len(sl) - 1) // T
+        order = np.concatenate([np.random.default_rng([seed, d, e]).permutation(nw)
+                                for e in range(-(-steps * B // nw))])
+        for step in range(steps):
+            rows = torch.from_numpy(np.stack([sl[j * T: j * T + T + 1] for j in order[step * B:(step + 1) * B]]))
+            out[step].append((rows[:, :-1], rows[:, 1:]))
+    return out
+
+
+def schedule(step: int, lr: float, warmup: int, steps: int, min_lr_ratio: float) -> float:
+    """The documented LR schedule of 1-based ``step``: linear warm-up to lr over ``warmup``
+    steps, then cosine decay to ``min_lr_ratio lr`` at the last step."""
+    if step <= warmup:
+        return lr * step / warmup
+    lo = lr * min_lr_ratio
+    return lo + (lr - lo) * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup))) / 2
+
+
+def reference_lr(step: int) -> float:
+    """:func:`schedule` of the SMALL runs."""
+    return schedule(step, SMALL["lr"], SMALL["warmup"], SMALL["steps"], TrainConfig(**SMALL).min_lr_ratio)
 
 
 def reference(world: int, groups: list[list[int]], sync_every: int | None) -> tuple[list[list[float]], list[dict]]:
     """Single process: one model copy per group, each trained with AdamW on the mean loss of its
     ranks' batches (data parallel inside the group), the copies' parameters averaged every
-    ``sync_every`` steps (None: never). Returns per-copy losses and final parameters."""
+    ``sync_every`` steps (None: never). Data and LR from :func:`reference_batches` and
+    :func:`reference_lr`; the model is flcomm's (checked against plain torch ops in
+    tests/test_model.py). Returns per-copy losses and final parameters."""
     cfg = TrainConfig(**SMALL)
-    sp = _data(world)
-    loaders = [ShardedLoader(sp.train, cfg.seq_len, cfg.batch_size, world, r, cfg.seed) for r in range(world)]
+    batches = reference_batches(world, cfg.steps)
     models = [build_model("tiny", seed=cfg.seed) for _ in groups]
     opts = [torch.optim.AdamW(m.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                               weight_decay=cfg.weight_decay) for m in models]
     losses: list[list[float]] = [[] for _ in groups]
     for step in range(1, cfg.steps + 1):
-        batches = [ld.next_batch() for ld in loaders]
         for f, (m, opt, ranks) in enumerate(zip(models, opts, groups)):
             for g in opt.param_groups:
-                g["lr"] = lr_at(cfg, step)
-            loss = sum(lm_loss(m(batches[r][0]), batches[r][1]) for r in ranks) / len(ranks)
+                g["lr"] = reference_lr(step)
+            loss = sum(lm_loss(m(batches[step - 1][r][0]), batches[step - 1][r][1]) for r in ranks) / len(ranks)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.grad_clip)
             opt.step()
@@ -328,6 +362,10 @@ def test_metrics_files(strategy_runs):
             for k in STEP_FIELDS:
                 assert isinstance(rec[k], (int, float)) and math.isfinite(rec[k]), (s, k)
             assert rec["tokens_per_s"] > 0 and rec["step_time_s"] > 0
+        # the schedule and the token count the run reports, against the documented rules
+        assert [r["lr"] for r in run.steps] == pytest.approx([reference_lr(t) for t in (1, 2, 3, 4)], rel=1e-12)
+        step_tokens = 4 * SMALL["batch_size"] * SMALL["seq_len"]
+        assert [r["tokens"] for r in run.steps] == [step_tokens * t for t in (1, 2, 3, 4)]
         assert "eval_loss" in run.steps[-1] and "eval_loss" not in run.steps[0]
         assert run.steps[-1]["eval_ppl"] == pytest.approx(math.exp(run.steps[-1]["eval_loss"]))
     fsdp = runs["fsdp"].steps
