@@ -17,7 +17,8 @@ from flcomm.comm.base import wire_bytes
 
 from flcomm.train.data import (ShardedLoader, builtin_corpus, check_vocab, decode, encode, eval_batches, fingerprint,
                                load_tokens, split_tokens)
-from flcomm.train.driver import TrainConfig, check_before_launch, lr_at, resolve_topology
+from flcomm.train.checkpoint import check_before_launch
+from flcomm.train.config import TrainConfig, lr_at, resolve_topology
 from flcomm.train.metrics import STEP_FIELDS, read_metrics
 from flcomm.train.model import build_model, lm_loss
 from tests.dist import run_distributed
@@ -90,7 +91,7 @@ def test_heldout_split_and_eval_batches():
 @pytest.mark.parametrize("nbytes,why", [(12, "dataset of 12 tokens is too small to hold out"),
                                         (6000, "each of the 4 data slices has 498 tokens, fewer than one window of seq_len \\+ 1 = 1001")])
 def test_a_dataset_too_small_is_refused_before_launch(tmp_path, nbytes, why):
-    from flcomm.train.driver import check_before_launch
+    from flcomm.train.checkpoint import check_before_launch
 
     p = tmp_path / "small.txt"
     p.write_bytes(bytes(range(97, 123)) * (nbytes // 26) + b"x" * (nbytes % 26))
@@ -153,6 +154,11 @@ def test_topology_defaults():
     (dict(model="gpt5"), "unknown model preset 'gpt5'"),
     (dict(resume=True), "resume needs a checkpoint directory"),
     (dict(steps=0), "steps must be an integer >= 1, got 0"),
+    (dict(beta1=True), "beta1 must be a finite number in \\[0, 1\\], got True"),
+    (dict(eval_fraction=1.0), "eval_fraction must be a finite number in \\(0, 1\\), got 1.0"),
+    (dict(fragments=3, sync_every=4), "fragments .K. must divide sync_every=4, got 3"),
+    (dict(overlap=True, overlap_steps=5, sync_every=4),
+     r"overlap_steps .* must be an integer in \[1, 4\] \(at most sync_every\), got 5"),
 ])
 def test_bad_config(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -185,12 +191,12 @@ def test_cli_reports_bad_input_without_launching(capsys):
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--timeout-s", "0"], "timeout_s must be a finite number > 0.0, got 0.0"),
-    (["--timeout-s", "nan"], "timeout_s must be a finite number > 0.0, got nan"),
-    (["--bucket-mb", "0"], "bucket_mb must be a positive finite number, got 0.0"),
-    (["--bucket-mb", "inf"], "bucket_mb must be a positive finite number, got inf"),
+    (["--timeout-s", "0"], "timeout_s must be a finite number > 0, got 0.0"),
+    (["--timeout-s", "nan"], "timeout_s must be a finite number > 0, got nan"),
+    (["--bucket-mb", "0"], "bucket_mb must be a finite number > 0, got 0.0"),
+    (["--bucket-mb", "inf"], "bucket_mb must be a finite number > 0, got inf"),
     (["--max-tokens", "0"], "max_tokens must be an integer >= 1, got 0"),
-    (["--weight-decay", "-0.1"], "weight_decay must be a finite number >= 0.0, got -0.1"),
+    (["--weight-decay", "-0.1"], "weight_decay must be a finite number >= 0, got -0.1"),
     (["--nproc", "0"], "--nproc must be an integer >= 1, got 0"),
     (["--nan-policy", "ignore"], "unknown nan_policy 'ignore'; expected one of stop, skip-step"),
     (["--vocab-size", "100", "--max-tokens", "100000"],
@@ -226,7 +232,7 @@ def test_bad_data_files_are_named(tmp_path, capsys):
 
 # ---------------------------------------------------------------- the strategies, distributed
 def _run_strategies(rank: int, world: int, out_dir: str) -> dict:
-    from flcomm.train.driver import train
+    from flcomm.train.loop import train
 
     res = {}
     for name, strategy, kw in (("fsdp", "fsdp", {}), ("hsdp", "hsdp", dict(shard_size=2)),
@@ -359,3 +365,4 @@ def test_plot(strategy_runs, tmp_path):
                     str(tmp_path / "p.png"))
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
