@@ -366,3 +366,53 @@ def test_plot(strategy_runs, tmp_path):
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
+
+# ---------------------------------------------------------------- --nan-policy stop on FedAvg's schedule
+E, K, BAD_STEP = 4, 2, 5  # fragments sync at offsets 0 and 2: steps 2, 4, 6, 8
+
+
+def _stop_on_fragment_sync(rank: int, world: int) -> dict:
+    """fl-fsdp, two groups of one rank, E = 4 in K = 2 fragments; group 1's loss is NaN at
+    BAD_STEP. Per step: what FedAvg says before it, and whether an exchange was applied."""
+    import flcomm.train.loop as loop
+    from flcomm.train.monitor import Monitor
+    from flcomm.train.run import build_run
+
+    cfg = TrainConfig(**{**SMALL, "steps": 8}, strategy="fl-fsdp", ranks_per_node=1, group_size=1, sync_every=E,
+                      fragments=K, nan_policy="stop")
+    run = build_run(cfg, Monitor(None, rank, world))
+    real, now = loop.lm_loss, {"step": 0}
+
+    def loss(logits, y):
+        out = real(logits, y)
+        return out * float("nan") if now["step"] == BAD_STEP and run.mesh.coords.group == 1 else out
+
+    out: dict = {"said": [], "synced": []}
+    loop.lm_loss = loss
+    try:
+        for s in range(1, cfg.steps + 1):
+            now["step"] = s
+            out["said"].append(run.fed.starts_sync(run.fed.steps + 1))
+            before = run.fed.num_syncs
+            loop.train_step(run, s)
+            out["synced"].append(run.fed.num_syncs > before)
+    except FloatingPointError as e:
+        out["error"], out["at"] = str(e), s
+    finally:
+        loop.lm_loss = real
+    return out
+
+
+def test_nan_stop_is_agreed_at_the_next_fragment_sync():
+    """The stop comes at the first sync of any fragment after the bad step (1/K of the shard
+    every E/K steps), not at the next multiple of E; FedAvg's starts_sync says which steps
+    those are, and they are the steps whose exchange was applied (no overlap)."""
+    res = run_distributed(_stop_on_fragment_sync, 2, timeout=300)
+    want_at = next(s for s in range(BAD_STEP, 9) if s % (E // K) == 0)
+    for r in res:
+        assert r["at"] == want_at == 6, r
+        assert f"non-finite loss or gradient norm at step {BAD_STEP} (federation group(s) [1]" in r["error"]
+        done = list(range(1, r["at"] + 1))
+        assert r["said"] == [s % (E // K) == 0 for s in done], r
+        assert r["synced"] == [s % (E // K) == 0 for s in done[:-1]], r  # the step that raised synced nothing
+

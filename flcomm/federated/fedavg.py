@@ -432,13 +432,20 @@ class FedAvg:
                 if self.steps >= fr.apply_at:
                     self._apply(fr, on_time=True)
                     did = True
-        for fr in self._frags:
-            if (self.steps - fr.offset) % self.sync_every == 0:
-                self._start(fr)
-                if not self.overlap:
-                    self._apply(fr)
-                did = True
+        for fr in self._starting(self.steps):
+            self._start(fr)
+            if not self.overlap:
+                self._apply(fr)
+            did = True
         return did
+
+    def starts_sync(self, step: int) -> bool:
+        """Whether :meth:`step` number ``step`` (1-based, as :attr:`steps` counts) starts the
+        sync of a fragment (every ``sync_every / fragments`` steps); never with one group."""
+        return bool(self._starting(step))
+
+    def _starting(self, step: int) -> list[_Fragment]:
+        return [fr for fr in self._frags if (step - fr.offset) % self.sync_every == 0]
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
         """Call :meth:`step` after every ``optimizer.step()`` through a step post-hook, instead of

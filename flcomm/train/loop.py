@@ -87,8 +87,9 @@ def train_step(run: Run, step: int) -> float:
 
     A non-finite loss or gradient norm is agreed on inside the federation group (with the
     loss all-reduce); ``skip-step`` leaves the step out, ``stop`` leaves it out and raises on
-    every rank at the next world-wide point (at once for FSDP / HSDP, at the next FedAvg sync
-    for the FL strategies: the groups do not talk between syncs).
+    every rank at the next world-wide point (at once for FSDP / HSDP and a single federation
+    group, at the next FedAvg sync of any fragment for the FL strategies: the groups do not
+    talk between syncs).
     """
     cfg, mon = run.cfg, run.monitor
     for g in run.optimizer.param_groups:
@@ -120,14 +121,16 @@ def train_step(run: Run, step: int) -> float:
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
     run.traffic.record_step()
-    if run.fed is not None:
-        if cfg.nan_policy == "stop" and step % cfg.sync_every == 0:
+    if run.fed is not None and run.fed.federated:
+        # NOTE: FedAvg's own schedule (fragments sync at their offsets), for the step() below
+        if cfg.nan_policy == "stop" and run.fed.starts_sync(run.fed.steps + 1):
             mon.enter(step, "nan-check")
             _agree_non_finite(run, step)
-        mon.enter(step, "fedavg")
-        run.fed.step()
     elif run.bad_step is not None:
         _agree_non_finite(run, step)
+    if run.fed is not None:
+        mon.enter(step, "fedavg")
+        run.fed.step()
     return loss_v
 
 
