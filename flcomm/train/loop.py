@@ -1,5 +1,6 @@
-"""The training loop of one rank: :func:`train` runs a :class:`~flcomm.train.run.Run` step by
-step.
+"""The training loop of one rank: :func:`train` sets up its :class:`~flcomm.train.run.Run`
+(:func:`~flcomm.train.run.build_run`: mesh, sharded model, data, FedAvg, resume) and runs it
+step by step:
 
 * :func:`train_step`: forward, backward, gradient norm and clipping, the group's loss, the
   optimizer step (left out on a non-finite loss or gradient norm: ``nan_policy``),
