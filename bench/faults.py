@@ -293,11 +293,10 @@ def group_params_equal(ckpt_root: str, groups: list[int], step: int) -> bool:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from flcomm.train import checkpoint as ckpt
-    from flcomm.train.driver import elastic_checkpoint_dir
 
     models = []
     for f in groups:
-        path = os.path.join(elastic_checkpoint_dir(ckpt_root, f), ckpt.step_name(step))
+        path = os.path.join(ckpt.elastic_checkpoint_dir(ckpt_root, f), ckpt.step_name(step))
         out = os.path.join(os.path.dirname(path), "full.pt")
         dcp_to_torch_save(path, out)
         models.append(torch.load(out, weights_only=True)[f"group{f}"]["model"])
@@ -329,7 +328,7 @@ def run_elastic_fault(phase: str, workdir: str, grace_s: float = 3.0, rejoin: bo
     sync one round after group 1 was admitted, whose checkpoints are then compared: how many
     steps the survivors run while group 1 restarts depends on the machine, so ``steps`` only
     caps the run."""
-    from flcomm.train.driver import newest_group_checkpoints
+    from flcomm.train.checkpoint import newest_group_checkpoints
     from flcomm.train.metrics import read_metrics
     from flcomm.train.monitor import read_heartbeat
 

@@ -240,7 +240,8 @@ def run_torchrun(a: argparse.Namespace, specs: list[RunSpec], out_dir: str, log)
 
     import torch.distributed as dist
 
-    from flcomm.train.driver import TrainConfig, train
+    from flcomm.train.config import TrainConfig
+    from flcomm.train.loop import train
 
     dist.init_process_group(a.backend, timeout=timedelta(seconds=a.timeout))
     rank = dist.get_rank()

@@ -13,7 +13,8 @@ The main entry points are importable from here (lazily, so ``import flcomm`` sta
 Layers (imports only go down; ``tests/test_layering.py`` parses every import, lazy and
 type-only ones included, and checks these rules):
 
-* ``enums`` and ``_lazy`` import nothing from flcomm; every layer may use them;
+* ``enums``, ``_lazy`` and ``validate`` (the numeric checks) import nothing from flcomm; every
+  layer may use them;
 * ``_native`` and ``info`` import only each other;
 * ``comm`` (transports) imports only ``_native``, ``info`` and ``enums``: never collectives or
   anything above;

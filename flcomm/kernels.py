@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from flcomm import _native
+from flcomm.validate import integer
 
 Format = Literal["int8", "fp8", "bf16", "fp16"]
 Backend = Literal["auto", "native", "torch"]
@@ -88,9 +89,7 @@ def check_format(fmt: str, block_size: int) -> None:
     [1, MAX_BLOCK_SIZE]."""
     if fmt not in FORMATS:
         raise ValueError(f"quantization format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(f"block_size must be an int in [1, {MAX_BLOCK_SIZE}] (elements per scale), "
-                         f"got {block_size!r}")
+    integer("block_size", block_size, 1, MAX_BLOCK_SIZE, also=" (elements per scale)")
 
 
 def num_blocks(numel: int, block_size: int) -> int:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from flcomm.train import checkpoint as ckpt
-from flcomm.train.driver import TrainConfig, check_before_launch
+from flcomm.train.checkpoint import check_before_launch
+from flcomm.train.config import TrainConfig
 from tests.dist import run_distributed
 
 BASE = dict(strategy="fl-fsdp", ranks_per_node=2, sync_every=2, model="tiny", steps=6, batch_size=2,
@@ -32,7 +33,7 @@ def crash_on_step_8(tmp_dir: str) -> None:
 
 
 def _scenario(rank: int, world: int, root: str) -> dict:
-    from flcomm.train.driver import train
+    from flcomm.train.loop import train
 
     a_dir, b_dir = os.path.join(root, "a"), os.path.join(root, "b")
     out: dict = {}
@@ -243,7 +244,7 @@ class _Boom:
 
 def _load_rank_state(rank: int, world: int, path: str) -> str:
     from flcomm.federated.topology import Topology
-    from flcomm.train.driver import build_run
+    from flcomm.train.run import build_run
     from flcomm.train.monitor import Monitor
 
     cfg = TrainConfig(**BASE)

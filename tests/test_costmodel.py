@@ -286,21 +286,21 @@ def test_the_paper_preset_recommends_a_plan_that_fits(tmp_path, capsys):
 @pytest.mark.parametrize("make, match", [
     (lambda: Plan("zero"), "strategy must be one of fsdp, hsdp, fl-fsdp, fl-hsdp, got 'zero'"),
     (lambda: Plan("fl-fsdp", group_size=2, codec="int4"), "codec must be one of .* got 'int4'"),
-    (lambda: Plan("fl-fsdp", group_size=2, sync_every=0), "sync_every must be a positive integer, got 0"),
+    (lambda: Plan("fl-fsdp", group_size=2, sync_every=0), "sync_every must be an integer >= 1, got 0"),
     (lambda: predict(cluster(), workload(), Plan("fl-fsdp", group_size=4)), "at least two federation groups"),
     (lambda: predict(cluster(nodes=3), workload(), Plan("fl-fsdp", group_size=4)), "does not divide world_size 6"),
     (lambda: predict(cluster(), workload(), Plan("hsdp", shard_size=4)), "at least two replicas per group"),
     (lambda: predict(cluster(), workload(), Plan("fsdp", group_size=2)), "one group of all 4 ranks"),
     (lambda: Link(0.0), "bandwidth must be a finite number > 0, got 0.0"),
     (lambda: Link(1.0, -1.0), "latency must be a finite number >= 0"),
-    (lambda: Cluster(0, 2, Link(1.0), Link(1.0)), "nodes must be a positive integer, got 0"),
+    (lambda: Cluster(0, 2, Link(1.0), Link(1.0)), "nodes must be an integer >= 1, got 0"),
     (lambda: workload(params=-1), "params must be a finite number > 0, got -1"),
-    (lambda: workload(fsdp_overlap=1.5), r"fsdp_overlap must be in \[0, 1\], got 1.5"),
-    (lambda: codec_nbytes("int8", -3), "numel must be a non-negative integer, got -3"),
+    (lambda: workload(fsdp_overlap=1.5), r"fsdp_overlap must be a finite number in \[0, 1\], got 1.5"),
+    (lambda: codec_nbytes("int8", -3), "numel must be an integer >= 0, got -3"),
     (lambda: cm.collective_time("broadcast", 1, 2, cluster()), "kind must be one of .* got 'broadcast'"),
     (lambda: cm.crossover_bandwidth_ratio(cluster(), workload(), Plan("fl-fsdp", group_size=2), lo=1, hi=0.5),
      "need 0 < lo < hi"),
-    (lambda: cm.compute_time_from_flops(1e9, 1e3, 1e12, 0.0), r"mfu must be in \(0, 1\], got 0.0"),
+    (lambda: cm.compute_time_from_flops(1e9, 1e3, 1e12, 0.0), r"mfu must be a finite number in \(0, 1\], got 0.0"),
 ])
 def test_bad_input_is_refused_with_a_clear_message(make, match):
     with pytest.raises(ValueError, match=match):

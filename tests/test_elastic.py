@@ -161,7 +161,7 @@ def _refused_before_launch(root, args: list[str]) -> None:
     the newest step (groups 0-2 of step 16 here; group 3's newest is of step 12), and every
     group's ``latest``, which the ranks read."""
     from flcomm.train.__main__ import _config, _train_parser
-    from flcomm.train.driver import check_before_launch
+    from flcomm.train.checkpoint import check_before_launch
 
     cfg = _config(_train_parser().parse_args([*args, "--resume"]))
     check_before_launch(cfg, 6)  # intact: accepted

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from bench import faults
-from flcomm.train.driver import TrainConfig
+from flcomm.train.config import TrainConfig
 from tests.dist import run_distributed
 
 TIMEOUT_S = 5.0
@@ -75,10 +75,11 @@ def test_launcher_killed_leaves_no_rank(sig, tmp_path):
 # ---------------------------------------------------------------- non-finite loss
 def _nan_runs(rank: int, world: int) -> dict:
     """fl-fsdp on 4 ranks, once per --nan-policy; federation group 1 gets a NaN loss at step 3."""
-    import flcomm.train.driver as drv
+    import flcomm.train.loop as loop
     from flcomm.train.monitor import Monitor
+    from flcomm.train.run import build_run
 
-    real, step = drv.lm_loss, {"n": 0}
+    real, step = loop.lm_loss, {"n": 0}
     group = {"g": -1}
 
     def loss(logits, y):
@@ -90,19 +91,19 @@ def _nan_runs(rank: int, world: int) -> dict:
         cfg = TrainConfig(strategy="fl-fsdp", ranks_per_node=2, sync_every=2, model="tiny", steps=6, batch_size=2,
                           seq_len=32, warmup=1, eval_batches=1, eval_fraction=0.05, max_tokens=100_000,
                           progress=False, nan_policy=policy)
-        run = drv.build_run(cfg, Monitor(None, rank, world))
+        run = build_run(cfg, Monitor(None, rank, world))
         group["g"] = run.mesh.coords.group
-        drv.lm_loss = loss
+        loop.lm_loss = loss
         out: dict = {"losses": []}
         try:
             for s in range(1, cfg.steps + 1):
                 step["n"] = s
-                out["losses"].append(drv.train_step(run, s))
+                out["losses"].append(loop.train_step(run, s))
             run.fed.finish()
         except FloatingPointError as e:
             out["error"], out["at"] = str(e), s
         finally:
-            drv.lm_loss = real
+            loop.lm_loss = real
         out["finite"] = all(bool(torch.isfinite(p.detach().to_local() if hasattr(p, "to_local") else p).all())
                             for p in run.model.parameters())
         res[policy] = out

@@ -226,5 +226,5 @@ def test_presets_sizes_and_config_errors():
         ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=3, ffn_dim=8)
     with pytest.raises(ValueError, match="multiple of n_heads"):
         ModelConfig(dim=30, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=8)
-    with pytest.raises(ValueError, match="n_layers must be a positive integer"):
+    with pytest.raises(ValueError, match="n_layers must be an integer >= 1"):
         ModelConfig(dim=32, n_layers=0, n_heads=4, n_kv_heads=2, ffn_dim=8)

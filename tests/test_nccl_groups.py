@@ -27,7 +27,7 @@ def test_nccl_options_carry_the_cap_the_timeout_and_nonblocking_init():
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "4"])
 def test_nccl_options_refuse_a_bad_cap(bad):
-    with pytest.raises(ValueError, match="max_ctas must be a positive integer or None, got"):
+    with pytest.raises(ValueError, match="max_ctas must be an integer >= 1 or None, got"):
         torch_pg.nccl_options(timedelta(seconds=1), max_ctas=bad)
 
 

@@ -14,7 +14,7 @@ from flcomm.costmodel.model import _resolve
 from flcomm.federated.strategy import Strategy, one_node
 from flcomm.federated.topology import Topology
 from flcomm.train.__main__ import _config, _train_parser
-from flcomm.train.driver import TrainConfig, resolve_topology
+from flcomm.train.config import TrainConfig, resolve_topology
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.strategies import RunSpec  # noqa: E402

@@ -91,8 +91,8 @@ def test_explicit_node_groups():
     (dict(world_size=8, ranks_per_node=2, group_size=3), "group_size 3 does not divide world_size 8"),
     (dict(world_size=8, ranks_per_node=2, group_size=4, shard_size=3), "shard_size 3 does not divide group_size 4"),
     (dict(world_size=12, ranks_per_node=4, group_size=6), "multiple or a divisor of ranks_per_node 4"),
-    (dict(world_size=0, ranks_per_node=1), "world_size must be a positive integer, got 0"),
-    (dict(world_size=4, ranks_per_node=2.0), "ranks_per_node must be a positive integer"),
+    (dict(world_size=0, ranks_per_node=1), "world_size must be an integer >= 1, got 0"),
+    (dict(world_size=4, ranks_per_node=2.0), "ranks_per_node must be an integer >= 1, got 2.0"),
 ])
 def test_bad_topologies(kwargs, msg):
     with pytest.raises(ValueError, match=msg):

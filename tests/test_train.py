@@ -17,7 +17,8 @@ from flcomm.comm.base import wire_bytes
 
 from flcomm.train.data import (ShardedLoader, builtin_corpus, check_vocab, decode, encode, eval_batches, fingerprint,
                                load_tokens, split_tokens)
-from flcomm.train.driver import TrainConfig, check_before_launch, lr_at, resolve_topology
+from flcomm.train.checkpoint import check_before_launch
+from flcomm.train.config import TrainConfig, lr_at, resolve_topology
 from flcomm.train.metrics import STEP_FIELDS, read_metrics
 from flcomm.train.model import build_model, lm_loss
 from tests.dist import run_distributed
@@ -90,7 +91,7 @@ def test_heldout_split_and_eval_batches():
 @pytest.mark.parametrize("nbytes,why", [(12, "dataset of 12 tokens is too small to hold out"),
                                         (6000, "each of the 4 data slices has 498 tokens, fewer than one window of seq_len \\+ 1 = 1001")])
 def test_a_dataset_too_small_is_refused_before_launch(tmp_path, nbytes, why):
-    from flcomm.train.driver import check_before_launch
+    from flcomm.train.checkpoint import check_before_launch
 
     p = tmp_path / "small.txt"
     p.write_bytes(bytes(range(97, 123)) * (nbytes // 26) + b"x" * (nbytes % 26))
@@ -155,6 +156,11 @@ def test_topology_defaults():
     (dict(model="gpt5"), "unknown model preset 'gpt5'"),
     (dict(resume=True), "resume needs a checkpoint directory"),
     (dict(steps=0), "steps must be an integer >= 1, got 0"),
+    (dict(beta1=True), "beta1 must be a finite number in \\[0, 1\\], got True"),
+    (dict(eval_fraction=1.0), "eval_fraction must be a finite number in \\(0, 1\\), got 1.0"),
+    (dict(fragments=3, sync_every=4), "fragments .K. must divide sync_every=4, got 3"),
+    (dict(overlap=True, overlap_steps=5, sync_every=4),
+     r"overlap_steps .* must be an integer in \[1, 4\] \(at most sync_every\), got 5"),
 ])
 def test_bad_config(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -187,12 +193,12 @@ def test_cli_reports_bad_input_without_launching(capsys):
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--timeout-s", "0"], "timeout_s must be a finite number > 0.0, got 0.0"),
-    (["--timeout-s", "nan"], "timeout_s must be a finite number > 0.0, got nan"),
-    (["--bucket-mb", "0"], "bucket_mb must be a positive finite number, got 0.0"),
-    (["--bucket-mb", "inf"], "bucket_mb must be a positive finite number, got inf"),
+    (["--timeout-s", "0"], "timeout_s must be a finite number > 0, got 0.0"),
+    (["--timeout-s", "nan"], "timeout_s must be a finite number > 0, got nan"),
+    (["--bucket-mb", "0"], "bucket_mb must be a finite number > 0, got 0.0"),
+    (["--bucket-mb", "inf"], "bucket_mb must be a finite number > 0, got inf"),
     (["--max-tokens", "0"], "max_tokens must be an integer >= 1, got 0"),
-    (["--weight-decay", "-0.1"], "weight_decay must be a finite number >= 0.0, got -0.1"),
+    (["--weight-decay", "-0.1"], "weight_decay must be a finite number >= 0, got -0.1"),
     (["--nproc", "0"], "--nproc must be an integer >= 1, got 0"),
     (["--nan-policy", "ignore"], "unknown nan_policy 'ignore'; expected one of stop, skip-step"),
     (["--vocab-size", "100", "--max-tokens", "100000"],
@@ -228,7 +234,7 @@ def test_bad_data_files_are_named(tmp_path, capsys):
 
 # ---------------------------------------------------------------- the strategies, distributed
 def _run_strategies(rank: int, world: int, out_dir: str) -> dict:
-    from flcomm.train.driver import train
+    from flcomm.train.loop import train
 
     res = {}
     for name, strategy, kw in (("fsdp", "fsdp", {}), ("hsdp", "hsdp", dict(shard_size=2)),
@@ -397,3 +403,54 @@ def test_plot(strategy_runs, tmp_path):
                     str(tmp_path / "p.png"))
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- --nan-policy stop on FedAvg's schedule
+E, K, BAD_STEP = 4, 2, 5  # fragments sync at offsets 0 and 2: steps 2, 4, 6, 8
+
+
+def _stop_on_fragment_sync(rank: int, world: int) -> dict:
+    """fl-fsdp, two groups of one rank, E = 4 in K = 2 fragments; group 1's loss is NaN at
+    BAD_STEP. Per step: what FedAvg says before it, and whether an exchange was applied."""
+    import flcomm.train.loop as loop
+    from flcomm.train.monitor import Monitor
+    from flcomm.train.run import build_run
+
+    cfg = TrainConfig(**{**SMALL, "steps": 8}, strategy="fl-fsdp", ranks_per_node=1, group_size=1, sync_every=E,
+                      fragments=K, nan_policy="stop")
+    run = build_run(cfg, Monitor(None, rank, world))
+    real, now = loop.lm_loss, {"step": 0}
+
+    def loss(logits, y):
+        out = real(logits, y)
+        return out * float("nan") if now["step"] == BAD_STEP and run.mesh.coords.group == 1 else out
+
+    out: dict = {"said": [], "synced": []}
+    loop.lm_loss = loss
+    try:
+        for s in range(1, cfg.steps + 1):
+            now["step"] = s
+            out["said"].append(run.fed.starts_sync(run.fed.steps + 1))
+            before = run.fed.num_syncs
+            loop.train_step(run, s)
+            out["synced"].append(run.fed.num_syncs > before)
+    except FloatingPointError as e:
+        out["error"], out["at"] = str(e), s
+    finally:
+        loop.lm_loss = real
+    return out
+
+
+def test_nan_stop_is_agreed_at_the_next_fragment_sync():
+    """The stop comes at the first sync of any fragment after the bad step (1/K of the shard
+    every E/K steps), not at the next multiple of E; FedAvg's starts_sync says which steps
+    those are, and they are the steps whose exchange was applied (no overlap)."""
+    res = run_distributed(_stop_on_fragment_sync, 2, timeout=300)
+    want_at = next(s for s in range(BAD_STEP, 9) if s % (E // K) == 0)
+    for r in res:
+        assert r["at"] == want_at == 6, r
+        assert f"non-finite loss or gradient norm at step {BAD_STEP} (federation group(s) [1]" in r["error"]
+        done = list(range(1, r["at"] + 1))
+        assert r["said"] == [s % (E // K) == 0 for s in done], r
+        assert r["synced"] == [s % (E // K) == 0 for s in done[:-1]], r  # the step that raised synced nothing
+

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from flcomm.comm.base import DEFAULT_TIMEOUT, EXCHANGE_MAX_CTAS, CommStats, LinkTier, ReduceOp, Transport
 from flcomm.comm.nccl import check_no_open_group
+from flcomm.validate import integer
 
 _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.AVG, ReduceOp.MAX: dist.ReduceOp.MAX}
 
@@ -95,8 +96,8 @@ def nccl_options(timeout: timedelta, *, max_ctas: int | None = None,
     the group's collectives may hold; ``nonblocking`` makes the communicator's initialization
     non-blocking, so torch bounds it by ``timeout`` (a blocking init waits forever for a peer
     that is gone). A field the installed torch does not expose is refused, naming it."""
-    if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas < 1):
-        raise ValueError(f"max_ctas must be a positive integer or None, got {max_ctas!r}")
+    if max_ctas is not None:
+        integer("max_ctas", max_ctas, 1, also=" or None")
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     want = {"max_ctas": max_ctas, "blocking": 0 if nonblocking else None}

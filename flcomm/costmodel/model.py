@@ -67,6 +67,7 @@ from flcomm.codecs import CODECS, get_codec
 from flcomm.comm.base import LinkTier, bus_factor, wire_bytes
 from flcomm.federated.outer import Outer
 from flcomm.federated.strategy import Strategy
+from flcomm.validate import integer, number
 
 __all__ = [
     "GBIT", "PRESETS", "Cluster", "Link", "Plan", "Prediction", "Strategy", "Workload", "codec_nbytes",
@@ -80,21 +81,8 @@ GBIT = 1e9 / 8  # bytes/s in one Gbit/s
 def codec_nbytes(codec: str, numel: int) -> int:
     """Encoded bytes of ``numel`` fp32 elements under ``codec``: what the codec itself puts on
     the wire (payload and block scales, 16-byte aligned)."""
-    if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
-        raise ValueError(f"numel must be a non-negative integer, got {numel!r}")
+    integer("numel", numel, 0)
     return get_codec(codec).encoded_nbytes(numel)
-
-
-def positive(name: str, v: Any, allow_zero: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
-        raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {v!r}")
-    return float(v)
-
-
-def positive_int(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    return v
 
 
 @dataclass(frozen=True)
@@ -106,12 +94,13 @@ class Link:
     latency: float = 0.0
 
     def __post_init__(self) -> None:
-        positive("bandwidth", self.bandwidth)
-        positive("latency", self.latency, allow_zero=True)
+        number("bandwidth", self.bandwidth, 0, lo_open=True)
+        number("latency", self.latency, 0)
 
     @classmethod
     def gbit(cls, gbit_per_s: float, latency_us: float = 0.0) -> "Link":
-        return cls(positive("bandwidth (Gbit/s)", gbit_per_s) * GBIT, positive("latency (us)", latency_us, True) * 1e-6)
+        return cls(number("bandwidth (Gbit/s)", gbit_per_s, 0, lo_open=True) * GBIT,
+                   number("latency (us)", latency_us, 0) * 1e-6)
 
 
 @dataclass(frozen=True)
@@ -132,8 +121,8 @@ class Cluster:
     reduce_scatter_as_all_reduce: bool = False
 
     def __post_init__(self) -> None:
-        positive_int("nodes", self.nodes)
-        positive_int("ranks_per_node", self.ranks_per_node)
+        integer("nodes", self.nodes, 1)
+        integer("ranks_per_node", self.ranks_per_node, 1)
         for name in ("intra", "inter_node"):
             if not isinstance(getattr(self, name), Link):
                 raise TypeError(f"{name} must be a Link, got {type(getattr(self, name)).__name__}")
@@ -148,7 +137,7 @@ class Cluster:
 
     def scale_inter(self, factor: float) -> "Cluster":
         """The same cluster with inter-node and inter-group bandwidth times ``factor``."""
-        positive("factor", factor)
+        number("factor", factor, 0, lo_open=True)
         return replace(self, inter_node=replace(self.inter_node, bandwidth=self.inter_node.bandwidth * factor),
                        inter_group=replace(self.inter_group, bandwidth=self.inter_group.bandwidth * factor))
 
@@ -210,19 +199,18 @@ class Workload:
     bucket_mb: float = 25.0
 
     def __post_init__(self) -> None:
-        positive("params", self.params)
-        positive("tokens_per_rank", self.tokens_per_rank)
-        positive("compute_s", self.compute_s, allow_zero=True)
-        positive_int("param_bytes", self.param_bytes)
-        positive_int("grad_bytes", self.grad_bytes)
-        positive("allgathers_per_step", self.allgathers_per_step, allow_zero=True)
-        if not 0.0 <= positive("fsdp_overlap", self.fsdp_overlap, True) <= 1.0:
-            raise ValueError(f"fsdp_overlap must be in [0, 1], got {self.fsdp_overlap}")
-        positive_int("overlap_steps", self.overlap_steps)
-        positive_int("fsdp_units", self.fsdp_units)
-        positive("state_bytes_per_param", self.state_bytes_per_param)
-        positive("activation_bytes", self.activation_bytes, allow_zero=True)
-        positive("bucket_mb", self.bucket_mb)
+        number("params", self.params, 0, lo_open=True)
+        number("tokens_per_rank", self.tokens_per_rank, 0, lo_open=True)
+        number("compute_s", self.compute_s, 0)
+        integer("param_bytes", self.param_bytes, 1)
+        integer("grad_bytes", self.grad_bytes, 1)
+        number("allgathers_per_step", self.allgathers_per_step, 0)
+        number("fsdp_overlap", self.fsdp_overlap, 0, 1)
+        integer("overlap_steps", self.overlap_steps, 1)
+        integer("fsdp_units", self.fsdp_units, 1)
+        number("state_bytes_per_param", self.state_bytes_per_param, 0, lo_open=True)
+        number("activation_bytes", self.activation_bytes, 0)
+        number("bucket_mb", self.bucket_mb, 0, lo_open=True)
 
 
 @dataclass(frozen=True)
@@ -249,16 +237,16 @@ class Plan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", Strategy.parse(self.strategy))
         object.__setattr__(self, "outer", Outer.parse(self.outer).value)
-        positive_int("fragments", self.fragments)
+        integer("fragments", self.fragments, 1)
         if self.sync_every % self.fragments:
             raise ValueError(f"fragments (K) must divide sync_every={self.sync_every}, got {self.fragments}")
-        positive_int("sync_every", self.sync_every)
+        integer("sync_every", self.sync_every, 1)
         if self.codec not in CODECS:
             raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
         for name in ("group_size", "shard_size"):
             v = getattr(self, name)
             if v is not None:
-                positive_int(name, v)
+                integer(name, v, 1)
 
     def label(self) -> str:
         s = self.strategy.value
@@ -349,9 +337,9 @@ def collective_time(kind: str, nbytes: float, n: int, cluster: Cluster, *, strid
         raise ValueError(f"kind must be one of {', '.join(_KINDS)}, got {kind!r}")
     if kind == "reduce_scatter" and cluster.reduce_scatter_as_all_reduce:
         kind = "all_reduce"  # NOTE: its time and its wire bytes; the caller keeps its chunk
-    positive_int("n", n)
-    positive_int("stride", stride)
-    positive("nbytes", nbytes, allow_zero=True)
+    integer("n", n, 1)
+    integer("stride", stride, 1)
+    number("nbytes", nbytes, 0)
     inter = inter or cluster.inter_node
     itier = LinkTier(inter_tier).value
     L = cluster.ranks_per_node
@@ -545,11 +533,10 @@ def speedup(cluster: Cluster, workload: Workload, plan: Plan, baseline: Plan | s
 
 def compute_time_from_flops(params: float, tokens_per_rank: float, peak_flops: float, mfu: float) -> float:
     """Step compute time from the 6 * N * tokens rule (forward + backward)."""
-    positive("params", params)
-    positive("tokens_per_rank", tokens_per_rank)
-    positive("peak_flops", peak_flops)
-    if not 0 < mfu <= 1:
-        raise ValueError(f"mfu must be in (0, 1], got {mfu}")
+    number("params", params, 0, lo_open=True)
+    number("tokens_per_rank", tokens_per_rank, 0, lo_open=True)
+    number("peak_flops", peak_flops, 0, lo_open=True)
+    number("mfu", mfu, 0, 1, lo_open=True)
     return 6 * params * tokens_per_rank / (peak_flops * mfu)
 
 

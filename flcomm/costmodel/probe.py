@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from flcomm.comm.base import DEFAULT_TIMEOUT, LinkTier, wire_bytes
-from flcomm.costmodel.model import placement, positive_int
+from flcomm.costmodel.model import placement
 from flcomm.federated.strategy import Strategy
+from flcomm.validate import integer
 
 __all__ = ["measure_main", "measure_tiers"]
 
@@ -43,10 +44,10 @@ def measure_tiers(ranks_per_node: int, group_size: int | None = None, nbytes: in
         raise RuntimeError("measure_tiers needs torch.distributed initialized (run under torchrun or "
                            "bench/cluster/netns.py run)")
     P = dist.get_world_size()
-    L = positive_int("ranks_per_node", ranks_per_node)
+    L = integer("ranks_per_node", ranks_per_node, 1)
     if P % L:
         raise ValueError(f"world size {P} is not a whole number of nodes of {L} ranks")
-    positive_int("nbytes", nbytes)
+    integer("nbytes", nbytes, 1)
     G = group_size or L
     fsdp = Strategy.FSDP.topology(P, L).build("cpu", timeout=timeout, hierarchical=True)
     fl = (Strategy.FL_FSDP.topology(P, L, G).build("cpu", timeout=timeout, hierarchical=False)

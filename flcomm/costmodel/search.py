@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 
 from flcomm.codecs import get_codec
 from flcomm.comm.base import format_bytes
-from flcomm.costmodel.model import Cluster, Plan, Prediction, Strategy, Workload, positive, positive_int, predict, speedup
+from flcomm.costmodel.model import Cluster, Plan, Prediction, Strategy, Workload, predict, speedup
+from flcomm.validate import integer, number
 
 __all__ = ["Crossover", "Recommendation", "crossover_bandwidth_ratio", "crossover_sync_every", "recommend"]
 
@@ -53,7 +54,7 @@ def crossover_bandwidth_ratio(cluster: Cluster, workload: Workload, plan: Plan, 
     on a log grid of 64 points; take the first adjacent pair where speedup - threshold changes
     sign; bisect it in log space to relative width ``tol``.
     """
-    positive("threshold", threshold)
+    number("threshold", threshold, 0, lo_open=True)
     if not 0 < lo < hi:
         raise ValueError(f"need 0 < lo < hi, got lo={lo}, hi={hi}")
     r0 = cluster.bandwidth_ratio
@@ -88,7 +89,7 @@ def crossover_sync_every(cluster: Cluster, workload: Workload, plan: Plan, basel
     baseline (its speedup grows with E; bisection over integers)."""
     if not plan.strategy.federated:
         raise ValueError(f"sync_every only matters for fl-fsdp / fl-hsdp, got {plan.strategy.value}")
-    positive_int("max_sync_every", max_sync_every)
+    integer("max_sync_every", max_sync_every, 1)
 
     def s(E: int) -> float:
         return speedup(cluster, workload, replace(plan, sync_every=E), baseline)
@@ -142,7 +143,7 @@ def recommend(cluster: Cluster, workload: Workload, *, codecs: Sequence[str] = (
     """
     for c in codecs:
         get_codec(c)  # NOTE: raises ValueError naming the known codecs
-    positive_int("max_sync_every", max_sync_every)
+    integer("max_sync_every", max_sync_every, 1)
     P, L = cluster.world_size, cluster.ranks_per_node
     Es = [2 ** i for i in range(int(math.log2(max_sync_every)) + 1)]
     plans: list[Plan] = [Plan(Strategy.FSDP)]

@@ -67,7 +67,6 @@ fp64 (codec none; a lossy codec refuses them).
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from collections.abc import Callable
@@ -85,6 +84,7 @@ from flcomm.federated.exchange import (DeltaExchange, ExchangeResult, flat_views
                                        resolve_codec)
 from flcomm.federated.outer import Outer, OuterOptimizer
 from flcomm.federated.shards import collect_slots, fingerprint, is_dtensor
+from flcomm.validate import integer, number
 
 if TYPE_CHECKING:
     from flcomm.federated.elastic import Federation, Outcome
@@ -305,18 +305,13 @@ class FedAvg:
                      overlap: bool = False) -> None:
         """ValueError naming the setting, what is allowed and what came, for the settings that
         need no model or mesh (the driver calls it before it launches anything)."""
-        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
-            raise ValueError(f"sync_every (E, local steps between syncs) must be an integer >= 1, "
-                             f"got {sync_every!r}")
-        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < math.inf:
-            raise ValueError(f"bucket_mb must be a positive finite number, got {bucket_mb!r}")
-        if (not isinstance(overlap_steps, int) or isinstance(overlap_steps, bool)
-                or not 1 <= overlap_steps <= sync_every):
-            raise ValueError(f"overlap_steps (k, steps between a sync and its apply) must be an integer "
-                             f"in [1, sync_every={sync_every}], got {overlap_steps!r}")
-        if not isinstance(fragments, int) or isinstance(fragments, bool) or fragments < 1 or sync_every % fragments:
-            raise ValueError(f"fragments (K) must be an integer >= 1 that divides sync_every={sync_every}, "
-                             f"got {fragments!r}")
+        integer("sync_every (E, local steps between syncs)", sync_every, 1)
+        number("bucket_mb", bucket_mb, 0, lo_open=True)
+        integer("overlap_steps (k, steps between a sync and its apply)", overlap_steps, 1, sync_every,
+                also=" (at most sync_every)")
+        integer("fragments (K)", fragments, 1)
+        if sync_every % fragments:
+            raise ValueError(f"fragments (K) must divide sync_every={sync_every}, got {fragments!r}")
         if fragments > 1 and InnerState.parse(inner_state) is not InnerState.KEEP:
             raise ValueError(f"inner_state={inner_state!r} is not supported with fragments > 1 (only 'keep')")
         InnerState.parse(inner_state)
@@ -437,13 +432,20 @@ class FedAvg:
                 if self.steps >= fr.apply_at:
                     self._apply(fr, on_time=True)
                     did = True
-        for fr in self._frags:
-            if (self.steps - fr.offset) % self.sync_every == 0:
-                self._start(fr)
-                if not self.overlap:
-                    self._apply(fr)
-                did = True
+        for fr in self._starting(self.steps):
+            self._start(fr)
+            if not self.overlap:
+                self._apply(fr)
+            did = True
         return did
+
+    def starts_sync(self, step: int) -> bool:
+        """Whether :meth:`step` number ``step`` (1-based, as :attr:`steps` counts) starts the
+        sync of a fragment (every ``sync_every / fragments`` steps); never with one group."""
+        return bool(self._starting(step))
+
+    def _starting(self, step: int) -> list[_Fragment]:
+        return [fr for fr in self._frags if (step - fr.offset) % self.sync_every == 0]
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
         """Call :meth:`step` after every ``optimizer.step()`` through a step post-hook, instead of

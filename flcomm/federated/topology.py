@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from flcomm.comm.base import DEFAULT_TIMEOUT, EXCHANGE_MAX_CTAS, CommStats, LinkTier
+from flcomm.validate import integer
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -48,12 +49,6 @@ def _strategy(name: str):
     return Strategy.parse(name)
 
 
-def _positive(name: str, v: object) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    return v
-
-
 @dataclass(frozen=True)
 class Topology:
     """Federation topology of a world of ``world_size`` ranks.
@@ -76,10 +71,10 @@ class Topology:
     _group_ranks: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        P = _positive("world_size", self.world_size)
-        L = _positive("ranks_per_node", self.ranks_per_node)
-        G = _positive("group_size", self.group_size if self.group_size is not None else P)
-        S = _positive("shard_size", self.shard_size if self.shard_size is not None else G)
+        P = integer("world_size", self.world_size, 1)
+        L = integer("ranks_per_node", self.ranks_per_node, 1)
+        G = integer("group_size", self.group_size if self.group_size is not None else P, 1)
+        S = integer("shard_size", self.shard_size if self.shard_size is not None else G, 1)
         object.__setattr__(self, "group_size", G)
         object.__setattr__(self, "shard_size", S)
         if P % L:

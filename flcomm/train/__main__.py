@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from flcomm.codecs import CODECS
-from flcomm.train.driver import INNER_STATES, NAN_POLICIES, OUTERS, STRATEGIES, TrainConfig
+from flcomm.train.config import INNER_STATES, NAN_POLICIES, OUTERS, STRATEGIES, TrainConfig
 from flcomm.train.model import PRESETS
 
 _SUBCOMMANDS = ("train", "compare", "plot")

@@ -9,6 +9,10 @@ Layout under a checkpoint directory::
     ckpt/.tmp-pin/step_...  an elastic run's rejoining group: hard links to another group's
                             checkpoint while it loads (pin_latest)
 
+An elastic run keeps one such directory per federation group, ``ckpt/group{f}/``
+(:func:`elastic_checkpoint_dir`); a resume loads the groups' newest checkpoints of the newest
+step among them (:func:`newest_step_checkpoints`).
+
 What is saved:
   * ``group{f}.model`` / ``group{f}.optim`` (DCP): the model and optimizer state of federation
     group f, as sharded DTensors (each rank writes its shard; replicas of HSDP dedupe). Keyed
@@ -30,6 +34,9 @@ Atomicity: every rank writes into ``.tmp-<name>``; after a barrier the ranks has
 rank 0 writes meta.json, renames the directory to ``<name>`` and then replaces ``latest``. A
 crash at any point before the rename leaves ``latest`` pointing at the previous complete
 checkpoint.
+
+:func:`check_before_launch` refuses, before any process starts, what a run's config, data and
+checkpoint to resume from would make fail in the ranks.
 """
 
 from __future__ import annotations
@@ -47,6 +54,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from flcomm.train.config import TrainConfig, resolve_topology
+from flcomm.train.data import check_vocab, data_record, data_source, load_tokens, same_data, split_for_ranks
 
 if TYPE_CHECKING:
     from flcomm.federated.topology import Topology
@@ -121,8 +131,6 @@ def check_compatible(meta: dict[str, Any], topo: "Topology", model_cfg: dict[str
 def check_resume(meta: dict[str, Any], run: dict[str, Any], path: str, allow_data_change: bool = False) -> None:
     """Refuse to resume ``run`` (its ``seed`` and ``data`` record) from a checkpoint of
     another seed, or of other data unless ``allow_data_change``."""
-    from flcomm.train.data import same_data
-
     if meta.get("seed") != run["seed"]:
         raise ValueError(f"checkpoint {path} was written with --seed {meta.get('seed')}, this run has "
                          f"--seed {run['seed']}; resume with the same seed")
@@ -481,3 +489,70 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, group: i
                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     _set_rng_state(rank_state.pop("rng"))
     return meta, rank_state
+
+
+# ---------------------------------------------------------------- elastic runs: a folder per group
+def elastic_checkpoint_dir(root: str, group: int) -> str:
+    """Federation group ``group``'s checkpoint folder under an elastic run's ``root``."""
+    return os.path.join(root, f"group{group}")
+
+
+def elastic_checkpoint_groups(root: str) -> list[int]:
+    """The groups with a folder under an elastic run's ``root`` (:func:`elastic_checkpoint_dir`)."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(int(n[5:]) for n in names if n.startswith("group") and n[5:].isdigit())
+
+
+def newest_group_checkpoints(root: str) -> dict[int, tuple[int, str]]:
+    """Every group's newest checkpoint under an elastic run's ``root``: group -> (step, path)."""
+    found = {}
+    for f in elastic_checkpoint_groups(root):
+        path = latest_checkpoint(elastic_checkpoint_dir(root, f))
+        if path is not None:
+            found[f] = (int(read_meta(path)["step"]), path)
+    return found
+
+
+def newest_step_checkpoints(root: str) -> dict[int, str]:
+    """The groups' newest checkpoints of the newest step among them (what an elastic resume
+    loads): group -> path."""
+    found = newest_group_checkpoints(root)
+    newest = max((st for st, _ in found.values()), default=None)
+    return {f: path for f, (st, path) in found.items() if st == newest}
+
+
+# ---------------------------------------------------------------- before launch
+def check_before_launch(cfg: TrainConfig, world_size: int) -> Topology:
+    """What can be refused before any process starts: the topology against the world size,
+    the model (``seq_len`` within its ``max_seq_len``), the data file and its token ids, and
+    a checkpoint to resume from (its files' hashes, and the same topology, model, seed and,
+    without ``allow_data_change``, data)."""
+    topo = resolve_topology(cfg, world_size, cfg.ranks_per_node)
+    if cfg.elastic and cfg.min_groups > topo.num_groups:
+        raise ValueError(f"--min-groups {cfg.min_groups} exceeds the {topo.num_groups} federation groups of "
+                         f"{world_size} ranks in groups of {topo.group_size}")
+    if cfg.elastic and topo.node_groups is not None:
+        raise ValueError("--elastic needs contiguous federation groups (no explicit node_groups)")
+    mcfg = cfg.model_config()
+    tokens = load_tokens(cfg.data, cfg.data_dtype, cfg.max_tokens)
+    check_vocab(tokens, mcfg.vocab_size, data_source(cfg.data))
+    split_for_ranks(tokens, world_size, cfg.batch_size, cfg.seq_len, cfg.eval_fraction)
+    if cfg.resume and cfg.checkpoint_dir:
+        run_meta = {"seed": cfg.seed, "data": data_record(cfg.data, tokens)}
+        for path in _resume_candidates(cfg):
+            meta = read_meta(path)
+            check_compatible(meta, topo, mcfg.to_dict(), path, same_group_shape=cfg.elastic)
+            check_resume(meta, run_meta, path, cfg.allow_data_change)
+            verify_files(path, meta)
+    return topo
+
+
+def _resume_candidates(cfg: TrainConfig) -> list[str]:
+    """The checkpoints a ``--resume`` may load: the newest one; for ``--elastic`` every group's
+    newest of the newest step among the groups (``flcomm.train.run._elastic_source`` picks
+    from these; every group's ``latest`` is read)."""
+    root = cfg.checkpoint_dir
+    if not cfg.elastic:
+        path = latest_checkpoint(root)
+        return [] if path is None else [path]
+    return list(newest_step_checkpoints(root).values())

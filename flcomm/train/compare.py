@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from flcomm.comm.base import format_bytes
 from flcomm.federated.strategy import Strategy
-from flcomm.train.driver import TrainConfig
+from flcomm.train.config import TrainConfig
 from flcomm.train.launch import launch_local
 from flcomm.train.metrics import RunMetrics, read_metrics
 

@@ -219,11 +219,20 @@ def slice_bounds(n: int, num_slices: int, index: int) -> tuple[int, int]:
 
 def check_slices(n: int, num_slices: int, seq_len: int) -> None:
     """ValueError unless each of ``num_slices`` equal slices of ``n`` train tokens holds one
-    window of ``seq_len + 1`` tokens (the driver checks it before launch, the loader again)."""
+    window of ``seq_len + 1`` tokens (checked before launch, and by the loader again)."""
     per = n // num_slices
     if per < seq_len + 1:
         raise ValueError(f"each of the {num_slices} data slices has {per} tokens, fewer than one window of "
                          f"seq_len + 1 = {seq_len + 1}; use a bigger dataset, a shorter --seq-len or fewer ranks")
+
+
+def split_for_ranks(tokens: np.ndarray, num_slices: int, batch_size: int, seq_len: int,
+                    eval_fraction: float) -> Split:
+    """The train / held-out split of ``tokens`` for ``num_slices`` ranks (a held-out batch per
+    rank at least), each rank's train slice checked to hold a window (:func:`check_slices`)."""
+    split = split_tokens(tokens, eval_fraction, num_slices * batch_size * (seq_len + 1) + num_slices)
+    check_slices(len(split.train), num_slices, seq_len)
+    return split
 
 
 class ShardedLoader:

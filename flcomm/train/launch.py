@@ -31,10 +31,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flcomm.train.driver import (STARTUP_TIMEOUT_S, TrainConfig, TrainResult, _pos_int, check_before_launch,
-                                 resolve_topology, train)
+from flcomm.train.checkpoint import check_before_launch
+from flcomm.train.config import TrainConfig, resolve_topology
+from flcomm.train.loop import TrainResult, train
 from flcomm.train.monitor import (FAULT_ENV, Monitor, describe, first_failure, heartbeat_path, log_path,
                                   process_state, read_heartbeat)
+from flcomm.train.run import STARTUP_TIMEOUT_S
+from flcomm.validate import integer
 
 MASTER_ADDR = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
@@ -64,7 +67,7 @@ def worker_main(cfg: TrainConfig, store: Any = None, monitor: Monitor | None = N
     if store is None:
         store = _env_store(rank, world, cfg.timeout_s)
     # NOTE: the start-up timeout until every rank has built its model (train() then sets the
-    # default group's timeout to timeout_s: driver._startup_barrier)
+    # default group's timeout to timeout_s: flcomm.train.run._startup_barrier)
     timeout = timedelta(seconds=max(cfg.timeout_s, STARTUP_TIMEOUT_S))
     if cfg.elastic:
         _init_group_world(cfg, backend, store, rank, world, timeout)
@@ -321,7 +324,7 @@ def launch_local(cfg: TrainConfig, nproc: int, timeout_s: float | None = None,
     or CUDA, like the command line's. The store's server starts after the fork."""
     import torch.multiprocessing as mp
 
-    _pos_int("nproc", nproc)
+    integer("nproc", nproc, 1)
     if cfg.backend == "nccl":
         raise ValueError("--nproc launches local CPU processes with gloo; for NCCL use torchrun")
     if start_method not in ("spawn", "fork", "forkserver"):

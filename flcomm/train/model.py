@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flcomm.validate import integer
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -47,9 +49,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {v!r}")
+            integer(f"ModelConfig.{name}", getattr(self, name), 1)
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} must be a multiple of n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
