@@ -1,0 +1,361 @@
+"""The training driver: data slices, the LR schedule, bad input, and all four strategies run on
+4 gloo ranks against single-process references (data parallel for FSDP/HSDP; F model copies
+averaged every E steps for FL+FSDP/FL+HSDP), with the metrics file's fields and byte counts."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from flcomm.comm.base import wire_bytes
+
+from flcomm.train.data import (ShardedLoader, builtin_corpus, check_vocab, decode, encode, eval_batches, fingerprint,
+                               load_tokens, split_tokens)
+from flcomm.train.driver import TrainConfig, check_before_launch, lr_at, resolve_topology
+from flcomm.train.metrics import STEP_FIELDS, read_metrics
+from flcomm.train.model import build_model, lm_loss
+from tests.common.dist import run_distributed
+
+torch.set_num_threads(1)
+
+SMALL = dict(model="tiny", steps=4, batch_size=2, seq_len=32, lr=3e-3, warmup=1, eval_batches=1,
+             eval_fraction=0.05, max_tokens=300_000, progress=False, seed=0)
+
+
+# ------------------------------------------------------------------------------------ data
+def _positions(n: int) -> np.ndarray:
+    return np.arange(n, dtype=np.int64)  # token value == its position in the stream
+
+
+def test_slices_are_disjoint_and_deterministic():
+    toks = _positions(10_000)
+    D, T, B = 4, 16, 3
+    seen = []
+    for d in range(D):
+        ld = ShardedLoader(toks, T, B, D, d, seed=7)
+        got = set()
+        for _ in range(3 * ld.n_windows // B + 2):  # more than two epochs
+            x, y = ld.next_batch()
+            assert x.shape == (B, T) and y.shape == (B, T)
+            assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
+            got |= set(x.flatten().tolist()) | set(y.flatten().tolist())
+        lo, hi = d * (10_000 // D), (d + 1) * (10_000 // D)
+        assert min(got) >= lo and max(got) < hi
+        seen.append(got)
+    for i in range(D):
+        for j in range(i + 1, D):
+            assert not seen[i] & seen[j]
+    # same arguments: same stream; another seed: another order
+    a, b = ShardedLoader(toks, T, B, D, 1, seed=7), ShardedLoader(toks, T, B, D, 1, seed=7)
+    c = ShardedLoader(toks, T, B, D, 1, seed=8)
+    xa, xb, xc = a.next_batch()[0], b.next_batch()[0], c.next_batch()[0]
+    assert torch.equal(xa, xb) and not torch.equal(xa, xc)
+
+
+def test_loader_resumes_from_position():
+    toks = _positions(5_000)
+    a = ShardedLoader(toks, 8, 4, 2, 0, seed=1)
+    for _ in range(50):  # past an epoch boundary
+        a.next_batch()
+    sd = a.state_dict()
+    b = ShardedLoader(toks, 8, 4, 2, 0, seed=1)
+    b.load_state_dict(sd)
+    for _ in range(5):
+        assert torch.equal(a.next_batch()[0], b.next_batch()[0])
+    with pytest.raises(ValueError, match="slice_index=0.*this loader has slice_index=1"):
+        ShardedLoader(toks, 8, 4, 2, 1, seed=1).load_state_dict(sd)
+
+
+def test_heldout_split_and_eval_batches():
+    toks = _positions(20_000)
+    sp = split_tokens(toks, 0.1)
+    assert len(sp.train) == 18_000 and sp.heldout[0] == 18_000
+    evs = [eval_batches(sp.heldout, 16, 2, 3, 4, d) for d in range(4)]
+    assert all(len(e) == 3 for e in evs)
+    vals = [set(torch.cat([x.flatten() for x, _ in e]).tolist()) for e in evs]
+    assert all(min(v) >= 18_000 for v in vals)
+    assert not vals[0] & vals[1]
+    with pytest.raises(ValueError, match="too small to hold out"):
+        split_tokens(toks[:10], 0.5, min_eval_tokens=10)
+    with pytest.raises(ValueError, match="fewer than one window"):
+        ShardedLoader(toks[:100], 64, 1, 4, 0)
+
+
+@pytest.mark.parametrize("nbytes,why", [(12, "dataset of 12 tokens is too small to hold out"),
+                                        (6000, "each of the 4 data slices has 498 tokens, fewer than one window of seq_len \\+ 1 = 1001")])
+def test_a_dataset_too_small_is_refused_before_launch(tmp_path, nbytes, why):
+    from flcomm.train.driver import check_before_launch
+
+    p = tmp_path / "small.txt"
+    p.write_bytes(bytes(range(97, 123)) * (nbytes // 26) + b"x" * (nbytes % 26))
+    with pytest.raises(ValueError, match=why):
+        check_before_launch(TrainConfig(data=str(p), eval_fraction=0.01, batch_size=1, seq_len=1000), 4)
+
+
+def test_builtin_corpus_and_user_files(tmp_path):
+    a, b = builtin_corpus(1 << 20), builtin_corpus(1 << 20)
+    assert a.dtype == np.uint8 and len(a) == 1 << 20
+    assert fingerprint(a) == fingerprint(b)
+    assert fingerprint(a) != fingerprint(a[:-1])
+    assert "import" in decode(a[:20000])
+    text = "héllo wörld\n" * 100
+    assert decode(encode(text)) == text
+    p = tmp_path / "c.txt"
+    p.write_text(text)
+    np.testing.assert_array_equal(load_tokens(str(p)), encode(text))
+    ids = (np.arange(1000) * 37 % 50_000).astype(np.uint16)
+    ids.tofile(tmp_path / "c.bin")
+    np.save(tmp_path / "c.npy", ids.astype(np.int32))
+    np.testing.assert_array_equal(load_tokens(str(tmp_path / "c.bin")), ids)
+    np.testing.assert_array_equal(load_tokens(str(tmp_path / "c.npy"), max_tokens=10), ids[:10])
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_tokens(str(tmp_path / "missing.txt"))
+    check_vocab(ids, 50_000, "c.bin")
+    with pytest.raises(ValueError, match="c.bin has token id 36963, beyond the model's vocabulary of 256"):
+        check_vocab(ids, 256, "c.bin")
+    np.save(tmp_path / "f.npy", np.zeros(10, dtype=np.float32))
+    with pytest.raises(ValueError, match="must be integers"):
+        load_tokens(str(tmp_path / "f.npy"))
+    np.save(tmp_path / "m.npy", ids[:100].reshape(10, 10))
+    with pytest.raises(ValueError, match=r"m.npy' holds an array of shape \(10, 10\); expected a 1-D array of token ids"):
+        load_tokens(str(tmp_path / "m.npy"))
+
+
+# ----------------------------------------------------------------------- config and inputs
+def test_lr_schedule():
+    cfg = TrainConfig(steps=100, lr=1.0, warmup=10, min_lr_ratio=0.1)
+    assert lr_at(cfg, 1) == pytest.approx(0.1) and lr_at(cfg, 10) == pytest.approx(1.0)
+    assert lr_at(cfg, 55) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(cfg, 100) == pytest.approx(0.1)
+
+
+def test_topology_defaults():
+    t = resolve_topology(TrainConfig(strategy="fsdp"), 8, 2)
+    assert t.mesh_shape == (1, 1, 8)
+    assert resolve_topology(TrainConfig(strategy="hsdp"), 8, 2).mesh_shape == (1, 4, 2)
+    assert resolve_topology(TrainConfig(strategy="fl-fsdp"), 8, 2).mesh_shape == (4, 1, 2)
+    assert resolve_topology(TrainConfig(strategy="fl-hsdp"), 8, 2).mesh_shape == (2, 2, 2)
+    assert resolve_topology(TrainConfig(strategy="fl-hsdp"), 4, 2).mesh_shape == (2, 2, 1)
+    assert resolve_topology(TrainConfig(strategy="fl-fsdp", group_size=4), 8, 2).mesh_shape == (2, 1, 4)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(strategy="ddp"), "strategy must be one of fsdp, hsdp, fl-fsdp, fl-hsdp, got 'ddp'"),
+    (dict(sync_every=0), "sync_every .* must be an integer >= 1, got 0"),
+    (dict(codec="zip"), "unknown codec 'zip'; known codecs: .*int8"),
+    (dict(outer="adam"), "outer must be one of .*nesterov.*, got 'adam'"),
+    (dict(model="gpt5"), "unknown model preset 'gpt5'"),
+    (dict(resume=True), "resume needs a checkpoint directory"),
+    (dict(steps=0), "steps must be an integer >= 1, got 0"),
+])
+def test_bad_config(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kw)
+
+
+@pytest.mark.parametrize("kw,world,match", [
+    (dict(strategy="fsdp", ranks_per_node=2), 3, "ranks_per_node 2 does not divide the world of 3"),
+    (dict(strategy="fl-fsdp", ranks_per_node=2, group_size=3), 4, "group_size 3 does not divide world_size 4"),
+    (dict(strategy="fl-fsdp", group_size=4), 4, "needs at least two federation groups"),
+    (dict(strategy="hsdp", shard_size=4), 4, "needs at least two replicas"),
+    (dict(strategy="fsdp", group_size=2), 4, "group_size is for the fl-\\* strategies"),
+])
+def test_topology_that_does_not_fit(kw, world, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_topology(TrainConfig(**kw), world)
+
+
+def test_cli_reports_bad_input_without_launching(capsys):
+    from flcomm.train.__main__ import main
+
+    assert main(["--strategy", "fl-fsdp", "--nproc", "3", "--ranks-per-node", "2"]) == 2
+    assert "ranks_per_node 2 does not divide the world of 3" in capsys.readouterr().err
+    assert main(["--strategy", "fl-fsdp", "--nproc", "4", "--sync-every", "0"]) == 2
+    assert "sync_every" in capsys.readouterr().err
+    assert main(["--codec", "gzip"]) == 2
+    assert "unknown codec 'gzip'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="world_size 4"):
+        check_before_launch(TrainConfig(strategy="fl-hsdp", ranks_per_node=2, group_size=3), 4)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--timeout-s", "0"], "timeout_s must be a finite number > 0.0, got 0.0"),
+    (["--timeout-s", "nan"], "timeout_s must be a finite number > 0.0, got nan"),
+    (["--bucket-mb", "0"], "bucket_mb must be a positive finite number, got 0.0"),
+    (["--bucket-mb", "inf"], "bucket_mb must be a positive finite number, got inf"),
+    (["--max-tokens", "0"], "max_tokens must be an integer >= 1, got 0"),
+    (["--weight-decay", "-0.1"], "weight_decay must be a finite number >= 0.0, got -0.1"),
+    (["--nproc", "0"], "--nproc must be an integer >= 1, got 0"),
+    (["--nan-policy", "ignore"], "unknown nan_policy 'ignore'; expected one of stop, skip-step"),
+    (["--vocab-size", "100", "--max-tokens", "100000"],
+     r"the built-in corpus \(python-stdlib\) has token id \d+, beyond the model's vocabulary of 100"),
+    (["--seq-len", "4096"], "seq_len 4096 exceeds max_seq_len 1024 of model preset 'tiny'"),
+])
+def test_bad_settings_are_refused_before_launch(argv, match, capsys):
+    from flcomm.train.__main__ import main
+
+    assert main(["--nproc", "2", *argv] if "--nproc" not in argv else argv) == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err), err
+    assert err.count("\n") == 1, err  # one line, no traceback
+
+
+def test_bad_data_files_are_named(tmp_path, capsys):
+    from flcomm.train.__main__ import main
+
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    np.save(tmp_path / "neg.npy", np.array([1, 2, -3, 4] * 100, dtype=np.int32))
+    np.save(tmp_path / "big.npy", np.array([1, 2, 300, 4] * 100, dtype=np.int32))
+    cases = [([str(tmp_path)], f"--data '{tmp_path}' is a directory"),
+             ([str(tmp_path / "nope.txt")], "nope.txt'?: no such file"),
+             ([str(tmp_path / "odd.bin")], "odd.bin' has 3 bytes, not a whole number of uint16 token ids"),
+             ([str(tmp_path / "odd.bin"), "--data-dtype", "float7"], "odd.bin' cannot be read as token ids"),
+             ([str(tmp_path / "neg.npy")], "neg.npy' has a negative token id \\(-3\\)"),
+             ([str(tmp_path / "big.npy")], "big.npy' has token id 300, beyond the model's vocabulary of 256")]
+    for extra, match in cases:
+        assert main(["--nproc", "2", "--data", *extra]) == 2
+        err = capsys.readouterr().err
+        assert re.search(match, err), (extra, err)
+
+
+# ---------------------------------------------------------------- the strategies, distributed
+def _run_strategies(rank: int, world: int, out_dir: str) -> dict:
+    from flcomm.train.driver import train
+
+    res = {}
+    for name, strategy, kw in (("fsdp", "fsdp", {}), ("hsdp", "hsdp", dict(shard_size=2)),
+                               ("fl-fsdp", "fl-fsdp", dict(sync_every=2)), ("fl-hsdp", "fl-hsdp", dict(sync_every=2)),
+                               ("fsdp-hier", "fsdp", dict(hierarchical=True))):
+        cfg = TrainConfig(strategy=strategy, ranks_per_node=2, metrics=os.path.join(out_dir, f"{name}.jsonl"),
+                          **SMALL, **kw)
+        r = train(cfg, return_params=True)
+        res[name] = {"losses": r.losses, "params": r.params, "eval": r.eval_losses, "syncs": r.num_syncs}
+    return res
+
+
+def _data(world: int):
+    toks = load_tokens(None, None, SMALL["max_tokens"])
+    sp = split_tokens(toks, SMALL["eval_fraction"], world * SMALL["batch_size"] * (SMALL["seq_len"] + 1) + world)
+    return sp
+
+
+def reference(world: int, groups: list[list[int]], sync_every: int | None) -> tuple[list[list[float]], list[dict]]:
+    """Single process: one model copy per group, each trained with AdamW on the mean loss of its
+    ranks' batches (data parallel inside the group), the copies' parameters averaged every
+    ``sync_every`` steps (None: never). Returns per-copy losses and final parameters."""
+    cfg = TrainConfig(**SMALL)
+    sp = _data(world)
+    loaders = [ShardedLoader(sp.train, cfg.seq_len, cfg.batch_size, world, r, cfg.seed) for r in range(world)]
+    models = [build_model("tiny", seed=cfg.seed) for _ in groups]
+    opts = [torch.optim.AdamW(m.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                              weight_decay=cfg.weight_decay) for m in models]
+    losses: list[list[float]] = [[] for _ in groups]
+    for step in range(1, cfg.steps + 1):
+        batches = [ld.next_batch() for ld in loaders]
+        for f, (m, opt, ranks) in enumerate(zip(models, opts, groups)):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(cfg, step)
+            loss = sum(lm_loss(m(batches[r][0]), batches[r][1]) for r in ranks) / len(ranks)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.grad_clip)
+            opt.step()
+            opt.zero_grad()
+            losses[f].append(float(loss.detach()))
+        if sync_every and step % sync_every == 0:
+            with torch.no_grad():
+                for ps in zip(*(m.parameters() for m in models)):
+                    avg = torch.stack([p for p in ps]).mean(0)
+                    for p in ps:
+                        p.copy_(avg)
+    return losses, [dict((n, p.detach().clone()) for n, p in m.named_parameters()) for m in models]
+
+
+@pytest.fixture(scope="module")
+def strategy_runs(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("runs"))
+    return run_distributed(_run_strategies, 4, out, timeout=300), out
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp", "fsdp-hier"])
+def test_fsdp_hsdp_equal_data_parallel_reference(strategy_runs, strategy):
+    """fsdp-hier: FSDP with flcomm's hierarchical reduce-scatter / all-gather hooks."""
+    results, _ = strategy_runs
+    ref_losses, ref_params = reference(4, [[0, 1, 2, 3]], None)
+    for r in range(4):
+        got = results[r][strategy]
+        np.testing.assert_allclose(got["losses"], ref_losses[0], rtol=1e-5, atol=1e-5)
+        for n, p in got["params"].items():
+            torch.testing.assert_close(p, ref_params[0][n], atol=2e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("strategy", ["fl-fsdp", "fl-hsdp"])
+def test_fl_strategies_equal_periodic_averaging_reference(strategy_runs, strategy):
+    """P = 4 on 2 nodes of 2: two federation groups {0,1}, {2,3}; E = 2 over 4 steps."""
+    results, _ = strategy_runs
+    ref_losses, ref_params = reference(4, [[0, 1], [2, 3]], 2)
+    for r in range(4):
+        got = results[r][strategy]
+        assert got["syncs"] == 2
+        np.testing.assert_allclose(got["losses"], ref_losses[r // 2], rtol=1e-5, atol=1e-5)
+        for n, p in got["params"].items():  # after the last sync every copy is the average
+            torch.testing.assert_close(p, ref_params[0][n], atol=2e-5, rtol=1e-4, msg=n)
+
+
+def _block_and_root_bytes() -> tuple[int, int]:
+    m = build_model("tiny", device="meta")
+    blocks = sum(p.numel() for p in m.layers.parameters()) * 4
+    return blocks, sum(p.numel() for p in m.parameters()) * 4 - blocks
+
+
+def test_metrics_files(strategy_runs):
+    """Every step record has the fields; bytes follow the ring convention: FSDP over 4 ranks on 2
+    nodes crosses nodes with 3/4 of (2 all-gathers + 1 reduce-scatter) per block and (1 + 1) for
+    the root; FL+FSDP stays inside its node and sends its 2-rank shard (all-reduce over 2 groups:
+    2 (2-1)/2 x B/2) between groups at each sync."""
+    _, out = strategy_runs
+    blocks, root = _block_and_root_bytes()
+    runs = {s: read_metrics(os.path.join(out, f"{s}.jsonl")) for s in ("fsdp", "hsdp", "fl-fsdp", "fl-hsdp")}
+    for s, run in runs.items():
+        assert run.config["strategy"] == s and run.summary is not None
+        assert [r["step"] for r in run.steps] == [1, 2, 3, 4]
+        for rec in run.steps:
+            for k in STEP_FIELDS:
+                assert isinstance(rec[k], (int, float)) and math.isfinite(rec[k]), (s, k)
+            assert rec["tokens_per_s"] > 0 and rec["step_time_s"] > 0
+        assert "eval_loss" in run.steps[-1] and "eval_loss" not in run.steps[0]
+        assert run.steps[-1]["eval_ppl"] == pytest.approx(math.exp(run.steps[-1]["eval_loss"]))
+    fsdp = runs["fsdp"].steps
+    assert all(r["internode_bytes"] == 3 * (blocks * 3 + root * 2) // 4 for r in fsdp)
+    assert all(r["intergroup_bytes"] == 0 for r in fsdp)
+    fl = runs["fl-fsdp"].steps
+    assert all(r["internode_bytes"] == 0 for r in fl)
+    # + FedAvg's non-finite check: an all-reduce of one int32 flag per group (F = 2)
+    sync = (blocks + root) // 2 + wire_bytes("all_reduce", 4 * 2, 2)
+    assert [r["intergroup_bytes"] for r in fl] == [0, sync, 0, sync]
+    # + FedAvg's refusal check at each sync: an all-reduce of (world + 1) int32 over the group
+    flags = wire_bytes("all_reduce", 4 * (4 + 1), 2)
+    assert [r["intranode_bytes"] for r in fl] == [(blocks * 3 + root * 2) // 2 + (flags if s else 0)
+                                                  for s in (0, 1, 0, 1)]
+    # hierarchical FSDP (2 nodes x 2): the inter-node stage carries 1/2 of a 1/2-size buffer
+    # (a third of the flat ring's inter-node bytes); the intra-node stage 1/2 of the buffer
+    hier = read_metrics(os.path.join(out, "fsdp-hier.jsonl")).steps
+    assert all(r["internode_bytes"] == (blocks * 3 + root * 2) // 4 for r in hier)
+    assert all(r["intranode_bytes"] == (blocks * 3 + root * 2) // 2 for r in hier)
+    with open(os.path.join(out, "fsdp.jsonl")) as f:
+        assert all(json.loads(line) for line in f)
+
+
+def test_plot(strategy_runs, tmp_path):
+    from flcomm.train.plot import plot_runs
+
+    _, out = strategy_runs
+    png = plot_runs([os.path.join(out, "fsdp.jsonl"), os.path.join(out, "fl-fsdp.jsonl")],
+                    str(tmp_path / "p.png"))
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
