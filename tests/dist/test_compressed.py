@@ -7,22 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flcomm import kernels
-from flcomm.codecs import get_codec
 from tests.common.dist import run_distributed
+from tests.common.two_hop import rank_input, simulate_two_hop, two_hop_bound
 
 CODEC_NAMES = ["none", "bf16", "fp16", "int8", "fp8"]
 SIZES = [1, 5, 255, 1000, 4099]
 MAGS = [1e-4, 1.0, 1e3]
 OPS = ["sum", "avg"]
-
-
-def _x(rank: int, case: int, n: int, mag: float) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1_000_003 * rank + 7919 * case + n)
-    x = torch.randn(n, generator=g) * mag
-    if n > 20:
-        x[(rank * 13) % n] = 30 * mag  # per-rank outliers: blocks with different scales
-    return x
 
 
 def _cases(world: int):
@@ -37,65 +28,6 @@ def _cases(world: int):
                     i += 1
 
 
-# ---- the independent references ----
-def _align(name: str, block: int) -> int:
-    return {"none": 4, "bf16": 8, "fp16": 8}.get(name, block)
-
-
-def simulate_two_hop(xs: list[torch.Tensor], name: str, op: str, block: int = kernels.DEFAULT_BLOCK_SIZE,
-                     residuals: list[torch.Tensor] | None = None):
-    """Single-process two-hop all-reduce with the reference kernels. Returns (result, reduced
-    values before the second quantization, new residuals)."""
-    W, n = len(xs), xs[0].numel()
-    c = -(-n // W)
-    a = _align(name, block)
-    c = -(-c // a) * a
-    P = W * c
-
-    def pad(t):
-        z = torch.zeros(P)
-        z[:n] = t
-        return z
-
-    ys = [pad(x) + (pad(r) if residuals is not None else 0) for x, r in
-          zip(xs, residuals if residuals is not None else xs)]
-    deq = []
-    for y in ys:
-        d = torch.empty(P)
-        for j in range(W):
-            buf = torch.empty(kernels.encoded_nbytes(c, name, block), dtype=torch.uint8)
-            kernels.quantize_ref(y[j * c:(j + 1) * c], buf, fmt=name, block_size=block)
-            kernels.dequantize_ref(buf, d[j * c:(j + 1) * c], fmt=name, block_size=block)
-        deq.append(d)
-    new_res = [y - d for y, d in zip(ys, deq)]
-    acc = torch.zeros(P)
-    for d in deq:
-        acc += d
-    if op == "avg":
-        acc /= W
-    out = torch.empty(P)
-    for j in range(W):
-        buf = torch.empty(kernels.encoded_nbytes(c, name, block), dtype=torch.uint8)
-        kernels.quantize_ref(acc[j * c:(j + 1) * c], buf, fmt=name, block_size=block)
-        kernels.dequantize_ref(buf, out[j * c:(j + 1) * c], fmt=name, block_size=block)
-        e = acc[j * c:(j + 1) * c] - out[j * c:(j + 1) * c]
-        new_res[j][j * c:(j + 1) * c] += e * (W if op == "avg" else 1)
-    return out[:n], acc[:n], [r[:n] for r in new_res]
-
-
-def two_hop_bound(xs: list[torch.Tensor], reduced: torch.Tensor, name: str, op: str) -> torch.Tensor:
-    """Per-element bound from the format: sum of the hop-1 bounds (over W for avg) plus the hop-2
-    bound of the reduced values, plus fp32 summation slack."""
-    codec = get_codec(name)
-    W = len(xs)
-    # NOTE: chunks are whole blocks, so blocking the whole tensor gives the chunks' blocks
-    h1 = sum(codec.error_bound(x) for x in xs)
-    if op == "avg":
-        h1 = h1 / W
-    slack = sum(x.abs() for x in xs) * (W * 2.0**-22) / (W if op == "avg" else 1)
-    return h1 + codec.error_bound(reduced) + slack + 1e-30
-
-
 # ---- distributed body ----
 def _grid_body(rank: int, world: int) -> dict:
     import torch.distributed as dist
@@ -106,7 +38,7 @@ def _grid_body(rank: int, world: int) -> dict:
     tr = TorchTransport()
     out = {}
     for i, name, n, mag, op in _cases(world):
-        x = _x(rank, i, n, mag)
+        x = rank_input(rank, i, n, mag)
         y = x.clone()
         if i % 3 == 0:  # the async path, half the time
             w = compressed_all_reduce(tr, y, codec=name, op=op, async_op=True)
@@ -120,7 +52,7 @@ def _grid_body(rank: int, world: int) -> dict:
             exact /= world
         out[i] = (y, exact)
     # 2-D input, in place
-    m = _x(rank, 999, 300, 1.0).view(20, 15)
+    m = rank_input(rank, 999, 300, 1.0).view(20, 15)
     ptr = m.data_ptr()
     compressed_all_reduce(tr, m, codec="int8", op="sum")
     out["2d"] = (m, ptr == m.data_ptr())
@@ -133,7 +65,7 @@ def _check_grid(world: int, results: list[dict]) -> None:
         exact = results[0][i][1]
         for y in ys[1:]:
             assert torch.equal(y, ys[0]), ("ranks disagree", name, n, mag, op)
-        xs = [_x(r, i, n, mag) for r in range(world)]
+        xs = [rank_input(r, i, n, mag) for r in range(world)]
         y = ys[0]
         if name == "none":
             assert torch.allclose(y, exact, rtol=1e-6, atol=1e-6 * mag), (name, n, mag, op)
@@ -145,7 +77,7 @@ def _check_grid(world: int, results: list[dict]) -> None:
         err = (y - exact).abs()
         assert bool((err <= bound).all()), (name, n, mag, op, float((err - bound).max()))
     m, same_storage = results[0]["2d"]
-    xs = [_x(r, 999, 300, 1.0) for r in range(world)]
+    xs = [rank_input(r, 999, 300, 1.0) for r in range(world)]
     assert same_storage and m.shape == (20, 15)
     assert torch.equal(m.view(-1), simulate_two_hop(xs, "int8", "sum")[0])
 
@@ -191,7 +123,7 @@ def _ef_body(rank: int, world: int, name: str, rounds: int, op: str) -> dict:
 
     tr = TorchTransport()
     n = 777
-    x = _x(rank, 5, n, 1.0)  # the same delta every round: without feedback the error piles up
+    x = rank_input(rank, 5, n, 1.0)  # the same delta every round: without feedback the error piles up
     res = torch.zeros(n)
     total_ef = torch.zeros(n)
     total_plain = torch.zeros(n)
@@ -211,7 +143,7 @@ def _ef_body(rank: int, world: int, name: str, rounds: int, op: str) -> dict:
 def test_error_feedback_tracks_the_exact_sum(run4, name, op):
     world, rounds, n = 4, EF_ROUNDS, 777
     results = [r[("ef", name, op)] for r in run4]
-    xs = [_x(r, 5, n, 1.0) for r in range(world)]
+    xs = [rank_input(r, 5, n, 1.0) for r in range(world)]
     exact_round = sum(xs) / (world if op == "avg" else 1)
     exact_total = exact_round * rounds
     ef = results[0]["total_ef"]
@@ -284,32 +216,3 @@ def test_bad_inputs(run3):
     assert "only sum and avg, got max" in msgs[2]
     assert "known codecs" in msgs[3]
     assert "residual must match" in msgs[4]
-
-
-def simulate_ring(xs: list[torch.Tensor], name: str) -> torch.Tensor:
-    """A ring reduce that re-quantizes the partial sum at every hop (what the two-hop design
-    avoids): returns the average."""
-    codec = get_codec(name)
-    partial = xs[0].clone()
-    for x in xs[1:]:
-        partial = codec.decode(codec.encode(partial), partial.numel()) + x
-    partial = codec.decode(codec.encode(partial), partial.numel())
-    return partial / len(xs)
-
-
-def test_error_does_not_grow_with_world_size():
-    """AVG of W i.i.d. inputs through int8: the two-hop error stays within its bound and flat in
-    W, while re-quantizing along a ring grows with W (the simulation is the implementation's
-    bit-for-bit twin, see the grid tests)."""
-    n = 4096
-    two_hop, ring = {}, {}
-    for W in (2, 8, 32):
-        xs = [_x(r, 77, n, 1.0) for r in range(W)]
-        exact = sum(xs) / W
-        out, reduced, _ = simulate_two_hop(xs, "int8", "avg")
-        bound = two_hop_bound(xs, reduced, "int8", "avg")
-        assert bool(((out - exact).abs() <= bound).all()), W
-        two_hop[W] = float((out - exact).abs().mean())
-        ring[W] = float((simulate_ring(xs, "int8") - exact).abs().mean())
-    assert two_hop[32] <= 1.5 * two_hop[2], two_hop
-    assert ring[32] >= 2 * two_hop[32], (ring, two_hop)

@@ -23,134 +23,11 @@ import torch
 import torch.distributed as dist
 
 from tests.common.dist import run_distributed
+from tests.common.fedavg_harness import (ATOL, CODEC_TOL, build, cases_worker, compare, fed_mesh, full_state,
+                                         resume_from, run_case, train)
 from tests.common.fedavg_sim import averaged_names, batch, loss_fn, make_model, make_opt, simulate
 
 pytestmark = pytest.mark.timeout(600)  # a hang guard; the machine may be heavily shared
-
-RTOL, ATOL = 1e-4, 2e-5  # fp32: different summation orders only
-
-
-# ------------------------------------------------------------------ rank-side helpers
-def _topology(world: int, F: int, S: int | None = None):
-    from flcomm.federated.topology import Topology
-
-    G = world // F
-    return Topology(world, world, group_size=G, shard_size=S or G)
-
-
-_MESHES: dict = {}
-
-
-def _mesh(world: int, F: int, S: int | None = None):
-    """One FedMesh per topology and process (building one creates many process groups)."""
-    key = (world, F, S)
-    if key not in _MESHES:
-        _MESHES[key] = _topology(world, F, S).build(hierarchical=False)
-    return _MESHES[key]
-
-
-def _build(world: int, F: int, S: int | None, kind: str, *, opt: str = "adamw", lr: float = 1e-2,
-           seed: int = 0, model_kw: dict | None = None, mesh=None):
-    """FedMesh, model wrapped per ``kind`` inside the rank's federation group, optimizer."""
-    fm = mesh or _mesh(world, F, S)
-    model = make_model(seed, **(model_kw or {}))
-    if kind == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        m = fm.device_mesh["shard"] if fm.topology.num_replicas == 1 else fm.device_mesh["replicate", "shard"]
-        for b in model.blocks:
-            fully_shard(b, mesh=m)
-        fully_shard(model, mesh=m)
-    elif kind.startswith("fsdp1"):
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp import ShardingStrategy
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-        from tests.common.fedavg_sim import Block
-
-        hybrid = fm.topology.num_replicas > 1
-        pg = (fm.groups["shard"], fm.groups["replicate"]) if hybrid else fm.groups["shard"]
-        model = FSDP(model, process_group=pg, device_id=torch.device("cpu"),
-                     auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=kind.endswith("orig"),
-                     sharding_strategy=ShardingStrategy.HYBRID_SHARD if hybrid else ShardingStrategy.FULL_SHARD)
-    elif kind != "plain":
-        raise ValueError(kind)
-    return fm, model, make_opt(model.parameters(), opt, lr)
-
-
-def _train(fm, model, opt, fed, steps: range, seed: int = 0) -> list[bool]:
-    """Local steps on the rank's own data; ``fed`` None: FedAvg is attached to ``opt``."""
-    c = fm.coords
-    flags = []
-    for t in steps:
-        loss_fn(model, *batch(c.group, c.index, t, seed)).backward()
-        opt.step()
-        opt.zero_grad()
-        if fed is not None:
-            flags.append(fed.step())
-    return flags
-
-
-def _full(model, kind: str) -> dict[str, torch.Tensor]:
-    """Full (unsharded) parameters and floating persistent buffers, by plain-module name."""
-    from tests.common.fedavg_sim import averaged_names as _names
-
-    if kind == "fsdp2":
-        out = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    elif kind.startswith("fsdp1"):
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        with FSDP.summon_full_params(model, writeback=False):
-            out = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
-    else:
-        out = {n: p.detach().clone() for n, p in model.named_parameters()}
-    bufs = {n.replace("_fsdp_wrapped_module.", ""): b.detach().clone() for n, b in model.named_buffers()}
-    ref = make_model(0, bn=any(".bn." in n or n.startswith("bn.") for n in bufs))
-    _, bnames = _names(ref)
-    out.update({n: bufs[n] for n in bnames})
-    return out
-
-
-def _compare(got: dict, want: dict, what: str, rtol: float = RTOL, atol: float = ATOL) -> float:
-    assert sorted(got) == sorted(want), f"{what}: names {sorted(got)} vs {sorted(want)}"
-    worst = 0.0
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=rtol, atol=atol, msg=lambda m: f"{what}: {n}: {m}")
-        worst = max(worst, (got[n] - want[n]).abs().max().item())
-    return worst
-
-
-def _run_case(world: int, case: dict) -> float:
-    """Train one configuration with FedAvg and compare with the simulation."""
-    from flcomm.federated.fedavg import FedAvg
-
-    F, E, T, kind = case["F"], case["E"], case["T"], case["kind"]
-    model_kw = case.get("model_kw", {})
-    fm, model, opt = _build(world, F, case.get("S"), kind, opt=case.get("opt", "adamw"),
-                            lr=case.get("lr", 1e-2), model_kw=model_kw)
-    fed = FedAvg(model, fm, sync_every=E, optimizer=opt, **case.get("fed", {}))
-    flags = _train(fm, model, opt, fed, range(1, T + 1))
-    fed.finish()
-    fk = case.get("fed", {})
-    sim = simulate(F, world // F, E, T, opt=case.get("opt", "adamw"), lr=case.get("lr", 1e-2),
-                   outer=fk.get("outer", "avg"), inner_state=fk.get("inner_state", "keep"),
-                   overlap=fk.get("overlap", False), overlap_steps=fk.get("overlap_steps", 1),
-                   model_kw=model_kw, fragments=fk.get("fragments", 1))
-    worst = _compare(_full(model, kind), sim[fm.coords.group], f"{case}")
-    if F > 1:
-        k, K = fk.get("overlap_steps", 1), fk.get("fragments", 1)
-        syncs = [t for t in range(1, T + 1) for j in range(K) if (t - j * E // K) % E == 0]
-        applies = {t + k for t in syncs} if fk.get("overlap") else set()
-        expect = [t in syncs or t in applies for t in range(1, T + 1)]
-        assert flags == expect, (flags, expect)
-        assert fed.num_syncs == len(syncs) and fed.exposed_comm_s > 0
-    else:
-        assert flags == [False] * T and fed.num_syncs == 0 and fed.exposed_comm_s == 0
-    return worst
-
-
-def _cases_worker(rank: int, world: int, cases: list[dict]) -> list[float]:
-    return [_run_case(world, c) for c in cases]
 
 
 # ------------------------------------------------------------------ matches the simulation
@@ -167,7 +44,7 @@ W4_CASES = [
 
 
 def test_fl_fsdp_matches_simulation_4_ranks():
-    worst = run_distributed(_cases_worker, 4, W4_CASES, timeout=400)
+    worst = run_distributed(cases_worker, 4, W4_CASES, timeout=400)
     assert max(max(w) for w in worst) < ATOL * 10
 
 
@@ -202,13 +79,13 @@ def _semantics_worker(rank: int, world: int) -> dict:
 
     from flcomm.federated.fedavg import FedAvg
 
-    out: dict = {"worst": [_run_case(world, c) for c in SEMANTIC_CASES]}
+    out: dict = {"worst": [run_case(world, c) for c in SEMANTIC_CASES]}
 
     # E = 1, SGD, no compression == synchronous data parallel (gradients averaged over the world)
-    fm, model, opt = _build(world, 2, None, "fsdp2", opt="sgd", lr=0.1)
+    fm, model, opt = build(world, 2, None, "fsdp2", opt="sgd", lr=0.1)
     fed = FedAvg(model, fm, sync_every=1)
     fed.attach(opt)  # the step hook instead of explicit fed.step() calls
-    _train(fm, model, opt, None, range(1, 5))
+    train(fm, model, opt, None, range(1, 5))
     assert fed.num_syncs == 4
     ref = make_model(0)
     ref_opt = make_opt(ref.parameters(), "sgd", 0.1)
@@ -222,15 +99,15 @@ def _semantics_worker(rank: int, world: int) -> dict:
         ref_opt.zero_grad()
     pn, bn = averaged_names(ref)
     want = {n: t.detach() for n, t in list(ref.named_parameters()) + list(ref.named_buffers()) if n in pn + bn}
-    out["ddp"] = _compare(_full(model, "fsdp2"), want, "E=1 SGD vs synchronous DP")
+    out["ddp"] = compare(full_state(model, "fsdp2"), want, "E=1 SGD vs synchronous DP")
 
     # replicated modules: plain average == PeriodicModelAverager (it averages at calls
     # warmup, warmup + E, ...; warmup = E - 1 makes that after local steps E, 2E, ...)
     E, T = 3, 8
-    fm4 = _mesh(world, world)
-    _, model, opt = _build(world, world, None, "plain", mesh=fm4)
+    fm4 = fed_mesh(world, world)
+    _, model, opt = build(world, world, None, "plain", mesh=fm4)
     fed = FedAvg(model, fm4, sync_every=E)
-    _train(fm4, model, opt, fed, range(1, T + 1))
+    train(fm4, model, opt, fed, range(1, T + 1))
     ref = make_model(0)
     ref_opt = make_opt(ref.parameters(), "adamw", 1e-2)
     avg = PeriodicModelAverager(period=E, warmup_steps=E - 1, process_group=dist.group.WORLD)
@@ -242,12 +119,12 @@ def _semantics_worker(rank: int, world: int) -> dict:
         ref_opt.zero_grad()
     want = {n: p.detach() for n, p in ref.named_parameters()}
     got = {n: p.detach() for n, p in model.named_parameters()}
-    out["averager"] = _compare(got, want, "plain average vs PeriodicModelAverager")
+    out["averager"] = compare(got, want, "plain average vs PeriodicModelAverager")
 
     # the overlap case is not the synchronous one: the delay is observable (the test can fail)
-    _, model, opt = _build(world, world, None, "plain", mesh=fm4)
+    _, model, opt = build(world, world, None, "plain", mesh=fm4)
     fed = FedAvg(model, fm4, sync_every=2, overlap=True)
-    _train(fm4, model, opt, fed, range(1, 6))
+    train(fm4, model, opt, fed, range(1, 6))
     fed.finish()
     sync = simulate(world, 1, 2, 5)[fm4.coords.group]
     out["overlap_vs_sync"] = max((p.detach() - sync[n]).abs().max().item() for n, p in model.named_parameters())
@@ -290,26 +167,24 @@ def _part(results: list[dict], name: str) -> list:
 
 
 COMPRESSED = [("bf16", False), ("int8", False), ("int8", True), ("fp8", True), ("int8", "bf16")]
-#: stated tolerance: max |w_codec - w_none| / max |w_none - w_init| after 6 AdamW steps, 3 syncs
-CODEC_TOL = {"bf16": 0.01, "int8": 0.02, "fp8": 0.08}  # measured: 3.3e-3, 5.4e-3 (4.1e-3 with EF), 2.0e-2
 
 
 def _compressed_worker(rank: int, world: int) -> dict:
     from flcomm.comm.base import LinkTier
     from flcomm.federated.fedavg import FedAvg
 
-    fm = _mesh(world, 2)
+    fm = fed_mesh(world, 2)
     init = make_model(0, d=32)
     res: dict = {}
     for codec, ef in [("none", False)] + COMPRESSED:
-        _, model, opt = _build(world, 2, None, "fsdp2", mesh=fm, model_kw={"d": 32})
+        _, model, opt = build(world, 2, None, "fsdp2", mesh=fm, model_kw={"d": 32})
         # NOTE: ~4k-element shards in buckets of 0.02 MB (5k elements): several buckets per
         # exchange, large enough that the codecs' block padding is small
         fed = FedAvg(model, fm, sync_every=2, codec=codec, error_feedback=bool(ef), bucket_mb=0.01,
                      residual_dtype=ef if isinstance(ef, str) else "fp32")
         fm.stats.reset()
-        _train(fm, model, opt, fed, range(1, 7))
-        res[(codec, ef)] = (_full(model, "fsdp2"), fm.stats.bytes(LinkTier.INTER_GROUP), fed.num_syncs)
+        train(fm, model, opt, fed, range(1, 7))
+        res[(codec, ef)] = (full_state(model, "fsdp2"), fm.stats.bytes(LinkTier.INTER_GROUP), fed.num_syncs)
     base, base_bytes, _ = res[("none", False)]
     w0 = {n: p.detach() for n, p in init.named_parameters()}
     moved = max((base[n] - w0[n]).abs().max().item() for n in w0)
@@ -346,33 +221,19 @@ def _roundtrip_worker(rank: int, world: int, ckpt_dir: str) -> dict:
     return out
 
 
-def _resume_from(fm, fresh, shards: list[torch.Tensor], opt_sd: dict, load_fed, steps: range) -> dict:
-    """A fresh FSDP2 model, optimizer and FedAvg (``fresh()``) set to the saved local ``shards``
-    and optimizer state, ``load_fed(fed)``, then ``steps`` of training: the full parameters."""
-    model, opt, fed = fresh()
-    with torch.no_grad():
-        for p, s in zip(model.parameters(), shards):
-            p.to_local().copy_(s)
-    opt.load_state_dict(copy.deepcopy(opt_sd))
-    load_fed(fed)
-    _train(fm, model, opt, fed, steps)
-    fed.finish()
-    return _full(model, "fsdp2")
-
-
 def _roundtrip_one(rank: int, world: int, ckpt_dir: str, kw: dict) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from flcomm.federated.fedavg import FedAvg
 
-    fm = _mesh(world, 2)
+    fm = fed_mesh(world, 2)
 
     def fresh():
-        _, model, opt = _build(world, 2, None, "fsdp2", mesh=fm)
+        _, model, opt = build(world, 2, None, "fsdp2", mesh=fm)
         return model, opt, FedAvg(model, fm, **kw)
 
     model, opt, fed = fresh()
-    _train(fm, model, opt, fed, range(1, 6))
+    train(fm, model, opt, fed, range(1, 6))
     fed.finish()
     shards = [p.to_local().detach().clone() for p in model.parameters()]
     opt_sd = copy.deepcopy(opt.state_dict())
@@ -382,12 +243,12 @@ def _roundtrip_one(rank: int, world: int, ckpt_dir: str, kw: dict) -> dict:
     if K > 1:
         assert len(fed_sd[f"rank{rank}"]["exchange"]["fragments"]) == K
     dcp.save({"fed": fed.state_dict()}, checkpoint_id=ckpt_dir)
-    _train(fm, model, opt, fed, range(6, 10))
+    train(fm, model, opt, fed, range(6, 10))
     fed.finish()
-    want = _full(model, "fsdp2")
+    want = full_state(model, "fsdp2")
 
     def resume(load_fed) -> dict:
-        return _resume_from(fm, fresh, shards, opt_sd, load_fed, range(6, 10))
+        return resume_from(fm, fresh, shards, opt_sd, load_fed, range(6, 10))
 
     def via_dcp(fed) -> None:
         template = {"fed": fed.state_dict()}
@@ -418,7 +279,7 @@ def _errors_worker(rank: int, world: int) -> dict:
 
     from flcomm.federated.fedavg import FedAvg, NonFiniteAverageError
 
-    fm2, fm4 = _mesh(world, 2), _mesh(world, 4)
+    fm2, fm4 = fed_mesh(world, 2), fed_mesh(world, 4)
     model = make_model(0)
     bad_args = [
         (dict(sync_every=0), ValueError, "sync_every .* >= 1, got 0"),
@@ -458,7 +319,7 @@ def _errors_worker(rank: int, world: int) -> dict:
         FedAvg(other, fm2, sync_every=1)
 
     # a state from another topology or configuration
-    _, model, opt = _build(world, 2, None, "plain", mesh=fm2)
+    _, model, opt = build(world, 2, None, "plain", mesh=fm2)
     sd2 = FedAvg(model, fm2, sync_every=2).state_dict()
     fed4 = FedAvg(model, fm4, sync_every=2)
     with pytest.raises(ValueError, match=r"another topology: saved .*\[2, 1, 2\].* has .*\[4, 1, 1\]"):
@@ -468,9 +329,9 @@ def _errors_worker(rank: int, world: int) -> dict:
 
     # NaN/Inf from one group: refused everywhere in its fed group, local weights kept
     for kw in ({}, {"codec": "int8", "error_feedback": True}):
-        _, model, opt = _build(world, 4, None, "plain", mesh=fm4)
+        _, model, opt = build(world, 4, None, "plain", mesh=fm4)
         fed = FedAvg(model, fm4, sync_every=2, **kw)
-        _train(fm4, model, opt, fed, range(1, 2))
+        train(fm4, model, opt, fed, range(1, 2))
         loss_fn(model, *batch(rank, 0, 2)).backward()
         opt.step()
         if rank == 2:
@@ -488,7 +349,7 @@ def _errors_worker(rank: int, world: int) -> dict:
             assert r is None or bool(torch.isfinite(r).all()), (kw, "residuals keep NaN")
 
     # a NaN in one fed group reaches every rank of every federation group, with one message
-    _, model, opt = _build(world, 2, None, "fsdp2", mesh=fm2)
+    _, model, opt = build(world, 2, None, "fsdp2", mesh=fm2)
     fed = FedAvg(model, fm2, sync_every=1, overlap=True)
     loss_fn(model, *batch(fm2.coords.group, fm2.coords.index, 1)).backward()
     opt.step()
@@ -508,7 +369,7 @@ def _precision_worker(rank: int, world: int) -> dict:
     from flcomm.comm.base import LinkTier
     from flcomm.federated.fedavg import FedAvg
 
-    fm4 = _mesh(world, 4)
+    fm4 = fed_mesh(world, 4)
     out: dict = {}
     model = make_model(0).double()
     with torch.no_grad():
@@ -561,13 +422,3 @@ def test_nan_refusal_reaches_every_federation_group(combined):
 
 def test_errors_nan_refusal(combined):
     _part(combined, "errors")
-
-
-def test_fragment_partition():
-    from flcomm.federated.fedavg import partition
-
-    assert partition([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
-    assert partition([5] * 8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert partition([1, 1, 100, 1], 2) == [[0, 1, 2], [3]]  # whole tensors: about equal
-    with pytest.raises(ValueError, match="cannot split 2 tensors .* into 4 fragments"):
-        partition([100, 1], 4)

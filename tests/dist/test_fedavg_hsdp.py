@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.common.dist import run_distributed
-from tests.dist.test_fedavg import ATOL, _cases_worker
+from tests.common.fedavg_harness import ATOL, cases_worker
 
 pytestmark = pytest.mark.timeout(600)  # a hang guard; the machine may be heavily shared
 
@@ -20,5 +20,5 @@ W8_CASES = [
 
 
 def test_fl_hsdp_matches_simulation_8_ranks():
-    worst = run_distributed(_cases_worker, 8, W8_CASES, timeout=400)
+    worst = run_distributed(cases_worker, 8, W8_CASES, timeout=400)
     assert max(max(w) for w in worst) < ATOL * 10

@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from tests.common.dist import run_distributed
-from tests.dist.test_fedavg import ATOL, CODEC_TOL, _build, _full, _mesh, _resume_from, _run_case, _train
+from tests.common.fedavg_harness import (ATOL, CODEC_TOL, build, fed_mesh, full_state, resume_from, run_case,
+                                         train)
 from tests.common.fedavg_sim import make_model
 
 pytestmark = pytest.mark.timeout(900)  # a hang guard; the machine may be heavily shared
@@ -64,7 +65,7 @@ def _exchange_worker(rank: int, world: int) -> dict:
     from flcomm.comm.base import wire_bytes
     from flcomm.federated.exchange import replicate_transport
 
-    fm = _mesh(world, F, S)
+    fm = fed_mesh(world, F, S)
     assert fm.topology.num_replicas == R and fm.topology.mesh_shape == (F, R, S)
     assert replicate_transport(fm, False) is None
     with pytest.raises(TypeError, match="sharded_exchange"):
@@ -123,10 +124,10 @@ SIM_CASES = [
 def _sim_worker(rank: int, world: int) -> dict:
     from flcomm.federated.fedavg import FedAvg
 
-    fm, model, _ = _build(world, F, S, "fsdp2")
+    fm, model, _ = build(world, F, S, "fsdp2")
     assert FedAvg(model, fm, sync_every=2).replicate is not None  # on by default when R > 1
     assert FedAvg(model, fm, sync_every=2, sharded_exchange=False).replicate is None
-    return {"worst": [_run_case(world, c) for c in SIM_CASES]}
+    return {"worst": [run_case(world, c) for c in SIM_CASES]}
 
 
 # ------------------------------------------------------------------ codecs, bytes, checkpoints
@@ -137,18 +138,18 @@ def _codecs_worker(rank: int, world: int) -> dict:
     from flcomm.comm.base import LinkTier
     from flcomm.federated.fedavg import FedAvg
 
-    fm = _mesh(world, F, S)
+    fm = fed_mesh(world, F, S)
     init = {n: p.detach() for n, p in make_model(0, d=32).named_parameters()}
     res: dict = {}
     for codec, ef in [("none", False)] + LOSSY:
         for sharded in (False, True):
-            _, model, opt = _build(world, F, S, "fsdp2", mesh=fm, model_kw={"d": 32})
+            _, model, opt = build(world, F, S, "fsdp2", mesh=fm, model_kw={"d": 32})
             fed = FedAvg(model, fm, sync_every=2, codec=codec, error_feedback=bool(ef), bucket_mb=0.01,
                          residual_dtype=ef if isinstance(ef, str) else "fp32", sharded_exchange=sharded)
             fm.stats.reset()
-            _train(fm, model, opt, fed, range(1, 7))
+            train(fm, model, opt, fed, range(1, 7))
             assert fed.num_syncs == 3
-            res[(codec, ef, sharded)] = (_full(model, "fsdp2"), fm.stats.bytes(LinkTier.INTER_GROUP))
+            res[(codec, ef, sharded)] = (full_state(model, "fsdp2"), fm.stats.bytes(LinkTier.INTER_GROUP))
     moved = max((res[("none", False, False)][0][n] - init[n]).abs().max().item() for n in init)
     out = {}
     for codec, ef in [("none", False)] + LOSSY:
@@ -161,15 +162,15 @@ def _codecs_worker(rank: int, world: int) -> dict:
 def _roundtrip_worker(rank: int, world: int) -> dict:
     from flcomm.federated.fedavg import FedAvg
 
-    fm = _mesh(world, F, S)
+    fm = fed_mesh(world, F, S)
     kw = dict(sync_every=2, outer="nesterov", codec="int8", error_feedback=True, overlap=True, bucket_mb=0.0005)
 
     def fresh():
-        _, model, opt = _build(world, F, S, "fsdp2", mesh=fm)
+        _, model, opt = build(world, F, S, "fsdp2", mesh=fm)
         return model, opt, FedAvg(model, fm, **kw)
 
     model, opt, fed = fresh()
-    _train(fm, model, opt, fed, range(1, 6))
+    train(fm, model, opt, fed, range(1, 6))
     fed.finish()
     shards = [p.to_local().detach().clone() for p in model.parameters()]
     opt_sd, fed_sd = copy.deepcopy(opt.state_dict()), copy.deepcopy(fed.state_dict())
@@ -177,16 +178,16 @@ def _roundtrip_worker(rank: int, world: int) -> dict:
     # the residual is the slice's: 1/R of each (padded) bucket
     assert ex["replicas"] == R
     assert [r.numel() * R for r in ex["residuals"]] == [b.padded for b in fed._exchange.bar._buckets]
-    _train(fm, model, opt, fed, range(6, 10))
+    train(fm, model, opt, fed, range(6, 10))
     fed.finish()
-    want = _full(model, "fsdp2")
+    want = full_state(model, "fsdp2")
 
-    got = _resume_from(fm, fresh, shards, opt_sd, lambda f: f.load_state_dict(copy.deepcopy(fed_sd)), range(6, 10))
+    got = resume_from(fm, fresh, shards, opt_sd, lambda f: f.load_state_dict(copy.deepcopy(fed_sd)), range(6, 10))
     for n in want:
         assert torch.equal(got[n], want[n]), f"{n} differs after resume"
     # without the FedAvg state (residuals, momentum, anchor) it differs
-    got = _resume_from(fm, fresh, shards, opt_sd, lambda f: None, range(6, 10))
-    _, model, _ = _build(world, F, S, "fsdp2", mesh=fm)
+    got = resume_from(fm, fresh, shards, opt_sd, lambda f: None, range(6, 10))
+    _, model, _ = build(world, F, S, "fsdp2", mesh=fm)
     with pytest.raises(ValueError, match="replicas"):
         FedAvg(model, fm, **kw, sharded_exchange=False).load_state_dict(copy.deepcopy(fed_sd))
     return {"without_state_diff": max((got[n] - want[n]).abs().max().item() for n in want)}
@@ -196,9 +197,9 @@ def _nan_worker(rank: int, world: int) -> dict:
     """Group 1's shards (both replicas, as HSDP keeps them) turn NaN: every rank refuses."""
     from flcomm.federated.fedavg import FedAvg, NonFiniteAverageError
 
-    fm, model, opt = _build(world, F, S, "fsdp2", mesh=_mesh(world, F, S))
+    fm, model, opt = build(world, F, S, "fsdp2", mesh=fed_mesh(world, F, S))
     fed = FedAvg(model, fm, sync_every=1, codec="int8", error_feedback=True)
-    _train(fm, model, opt, None, range(1, 2))
+    train(fm, model, opt, None, range(1, 2))
     if fm.coords.group == 1:
         with torch.no_grad():
             for p in model.parameters():

@@ -1,10 +1,10 @@
 """TorchTransport against direct torch.distributed calls, its byte counts against the ring
-formulas, and its input validation (which must raise before any collective is issued)."""
+formulas, and its input validation (which must raise before any collective is issued); the
+formulas themselves are in tests/unit/test_transport_checks.py."""
 
-import pytest
 import torch
 
-from flcomm.comm.base import CommStats, LinkTier, ReduceOp, wire_bytes
+from flcomm.comm.base import CommStats, LinkTier, wire_bytes
 from tests.common.dist import run_distributed
 
 
@@ -112,31 +112,3 @@ def test_torch_transport_matches_torch_distributed():
         assert "floating dtype" in errs[5]
         assert "sum, avg, max" in errs[6]
         assert "src must be a group rank in [0, 4)" in errs[7]
-
-
-@pytest.mark.parametrize("n", [1, 2, 3, 8])
-def test_wire_bytes_formulas(n):
-    B = 1 << 20
-    assert wire_bytes("all_reduce", B, n) == 2 * (n - 1) * B // n
-    assert wire_bytes("reduce_scatter", B, n) == (n - 1) * B // n
-    assert wire_bytes("all_gather", B, n) == (n - 1) * B // n
-    assert wire_bytes("broadcast", B, n) == (B if n > 1 else 0)
-    with pytest.raises(ValueError, match="got 'gather'"):
-        wire_bytes("gather", B, n)
-
-
-def test_reduce_op_parse():
-    import torch.distributed as dist
-
-    assert ReduceOp.parse("AVG") is ReduceOp.AVG
-    assert ReduceOp.parse(dist.ReduceOp.SUM) is ReduceOp.SUM
-    assert ReduceOp.parse(dist.ReduceOp.AVG) is ReduceOp.AVG
-    with pytest.raises(ValueError, match="got 'min'"):
-        ReduceOp.parse("min")
-
-
-def test_transport_needs_init():
-    from flcomm.comm.torch_pg import TorchTransport
-
-    with pytest.raises(RuntimeError, match="init_process_group"):
-        TorchTransport()

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from flcomm import _native
 from flcomm.comm.base import CommStats, LinkTier, ReduceOp, Transport
 from tests.common.dist import run_distributed
-from tests.gpu.test_nccl_gpu import CYCLES_PER_S, figure
+from tests.common.gpu_figures import CYCLES_PER_S, figure
 
 needs_nccl = pytest.mark.skipif(not (_native.available() and _native.native().compiled_with_nccl()),
                                 reason="flcomm built without NCCL")

@@ -9,7 +9,6 @@ exact float64 reference.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -20,6 +19,7 @@ import torch
 
 from flcomm import _native
 from tests.common.dist import run_distributed
+from tests.common.gpu_figures import CYCLES_PER_S, figure
 
 pytestmark = pytest.mark.skipif(
     not (_native.available() and _native.native().compiled_with_nccl()),
@@ -28,20 +28,6 @@ pytestmark = pytest.mark.skipif(
 
 def C():
     return _native.native()
-
-
-def figure(test: str, **values) -> None:
-    """Record a probe's figures for tools/gpu_check.sh (one JSON line per call to the file named
-    by FLCOMM_GPU_FIGURES; nothing without it)."""
-    path = os.environ.get("FLCOMM_GPU_FIGURES")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"test": test, **values}) + "\n")
-
-
-# NOTE: torch.cuda._sleep spins for a number of GPU clock cycles; ~2e9 per second on an H200
-# (1.98 GHz boost). The probes size their sleeps from this and measure what they rely on.
-CYCLES_PER_S = 2_000_000_000
 
 
 INT_DTYPES = [torch.int8, torch.uint8, torch.int32, torch.int64]

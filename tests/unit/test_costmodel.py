@@ -1,5 +1,5 @@
-"""Cost model: exact hand-computed step times, monotonicity, crossovers, recommendations, the CLI
-and ``--measure`` on gloo."""
+"""Cost model: exact hand-computed step times, monotonicity, crossovers, recommendations and the
+CLI (``--measure`` on gloo is in tests/dist/test_costmodel_measure.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from flcomm import costmodel as cm
 from flcomm.costmodel import Cluster, Link, Plan, Strategy, Workload, codec_nbytes, predict
-from tests.common.dist import run_distributed
 
 # 2 nodes x 2 ranks; intra 1 GB/s per rank, 10 us; inter 100 MB/s per node, 100 us.
 AI, BI, AE, BE = 1e-5, 1e9, 1e-4, 1e8
@@ -332,30 +331,6 @@ def test_cli_measure_without_a_job_says_how_to_launch(capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert cm.main(["--measure"]) == 2
     assert "torchrun" in capsys.readouterr().err
-
-
-# ---------------------------------------------------------------- --measure on gloo ----
-
-def _measure(rank: int, world: int) -> dict:
-    return cm.measure_tiers(ranks_per_node=2, nbytes=1 << 16, iters=2, latency_iters=3)
-
-
-def test_measure_tiers_on_gloo():
-    res = run_distributed(_measure, 4, timeout=90)
-    r0 = res[0]
-    assert (r0["nodes"], r0["ranks_per_node"], r0["group_size"], r0["backend"]) == (2, 2, 2, "gloo")
-    assert r0["intra_node"]["ranks"] == 2 and r0["intra_node"]["per"] == "rank"
-    assert r0["inter_node"]["ranks"] == 2 and r0["inter_node"]["per"] == "node"
-    assert r0["inter_group"]["ranks"] == 2
-    for tier in ("intra_node", "inter_node", "inter_group"):
-        assert r0[tier]["bandwidth_Bps"] > 0 and r0[tier]["latency_s"] >= 0
-        # bus bandwidth = wire bytes / time (2 ranks: wire = the buffer)
-        assert r0[tier]["bus_Bps_per_rank"] == pytest.approx(r0[tier]["nbytes"] / r0[tier]["time_s"])
-    # inter tiers count both ranks of a node crossing at once
-    assert r0["inter_node"]["bandwidth_Bps"] == pytest.approx(2 * r0["inter_node"]["bus_Bps_per_rank"])
-    assert all(r["inter_node"]["time_s"] == r0["inter_node"]["time_s"] for r in res)  # the slowest rank's
-    c = Cluster.from_measurement(r0, nodes=16)
-    assert c.world_size == 32 and c.intra.bandwidth == r0["intra_node"]["bandwidth_Bps"]
 
 
 def test_cli_explicit_flag_beats_preset_even_at_parser_default(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """The native module on a machine without a GPU: build info, NCCL version and unique ids, clear
-errors from GPU-only calls, and the NCCL transport's validation before any native call.
+errors from GPU-only calls, and the NCCL transport's validation before any native call (the unique-id exchange over gloo is in
+tests/dist/test_nccl_unique_id.py).
 
 Runs against whichever build is in the tree: with NCCL (the default CUDA build) the NCCL calls
 that need no GPU work; in a CPU-only build (``FLCOMM_CUDA=0 tools/dev_build.sh``) every NCCL
@@ -14,8 +15,7 @@ import torch
 import flcomm
 from flcomm import _native
 from flcomm.comm.base import CommStats, LinkTier, ReduceOp, wire_bytes
-from flcomm.comm.nccl import NcclTransport, exchange_unique_id, nccl_available
-from tests.common.dist import run_distributed
+from flcomm.comm.nccl import NcclTransport, nccl_available
 
 pytestmark = pytest.mark.skipif(not _native.available(), reason=f"flcomm._C not built: {_native.unavailable_reason()}")
 
@@ -265,35 +265,3 @@ def test_transport_maps_calls_and_counts_bytes():
                 + wire_bytes("all_gather", 128, 4) + wire_bytes("all_to_all", 32, 4) + wire_bytes("broadcast", 32, 4))
     assert stats.bytes("inter_node") == expected == 48 + 24 + 96 + 24 + 32
     assert stats.tiers[LinkTier.INTER_NODE].calls == 5
-
-
-# ---- the unique-id exchange, over gloo ----
-
-def _exchange(rank: int, world: int) -> tuple[bytes, bytes, str]:
-    import torch.distributed as dist
-
-    def no_collective(*args, **kwargs):
-        raise AssertionError("the unique id must travel through the c10d store, not a collective")
-
-    dist.broadcast_object_list = dist.broadcast = no_collective  # NOTE: issue 9 item 11
-    uid = exchange_unique_id()
-    uid_sub = exchange_unique_id(dist.new_group([0, 1]))
-    try:
-        NcclTransport.from_group()
-        err = "no error"
-    except RuntimeError as e:
-        err = str(e)
-    return uid, uid_sub, err
-
-
-@pytest.mark.timeout(120)
-def test_exchange_unique_id_over_gloo():
-    if not with_nccl():
-        pytest.skip("built without NCCL: no unique ids to exchange")
-    results = run_distributed(_exchange, 2, timeout=60)
-    (a, a_sub, err0), (b, b_sub, err1) = results
-    assert len(a) == 128 and a == b, "ranks got different unique ids"
-    assert a_sub == b_sub and a_sub != a, "the subgroup must get its own id"
-    if not has_gpu():
-        for err in (err0, err1):
-            assert "NcclTransport.from_group" in err and "CUDA device" in err, err
