@@ -10,7 +10,7 @@ import torch
 
 from tests.common.dist import run_distributed
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(240)  # NOTE: a hang guard above run_distributed's own (120 s + start-up)
 
 
 def _hier_advances(rank: int, world: int) -> dict:
