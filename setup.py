@@ -120,7 +120,7 @@ def nvcc_flags(debug: bool = False) -> list[str]:
     NOTE: no --use_fast_math: it implies -ftz=true, and flushing subnormals to zero breaks the
     bit-for-bit match with the CPU kernels (error-feedback residuals of tiny blocks keep
     subnormals). -ftz=false is spelled out; the kernels round explicitly (__fmul_rn, ...), so FMA
-    contraction does not matter. tests/test_kernels.py compiles csrc/quant_cuda.cu to PTX with
+    contraction does not matter. tests/system/test_ptx_ftz.py compiles csrc/quant_cuda.cu to PTX with
     these flags (ptx_command) and asserts that no `.ftz` instruction appears.
     """
     opt = ["-O0", "-g"] if debug else ["-O3"]

@@ -4,7 +4,7 @@ phase, leave no process behind, and keep the last checkpoint loadable.
 
     python -m bench.faults                     # the full matrix: FL+FSDP and FL+HSDP, a table
     python -m bench.faults --json out.json     # also every case's record as JSON
-    python -m bench.faults --quick             # FL+FSDP only (what tests/test_faults.py runs)
+    python -m bench.faults --quick             # FL+FSDP only (what tests/system/test_faults.py runs)
     python -m bench.faults --elastic --no-matrix   # the elastic rows only
 
 Cases: {kill, freeze} x {forward, backward (reduce-scatter), FedAvg exchange, checkpoint save}

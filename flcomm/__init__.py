@@ -10,7 +10,7 @@ The main entry points are importable from here (lazily, so ``import flcomm`` sta
     mesh = topo.build("cuda")
     fed = flcomm.FedAvg(model, mesh, sync_every=8, codec="int8")
 
-Layers (imports only go down; ``tests/test_layering.py`` parses every import, lazy and
+Layers (imports only go down; ``tests/unit/test_layering.py`` parses every import, lazy and
 type-only ones included, and checks these rules):
 
 * ``enums``, ``_lazy`` and ``validate`` (the numeric checks) import nothing from flcomm; every

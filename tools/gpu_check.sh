@@ -24,11 +24,11 @@
 #   nccl_init      one NCCL init and one-rank all_to_all with NCCL_DEBUG=INFO
 #   pytest_gpu     every gpu / multigpu test but the probes; per-test timeouts (pytest-timeout,
 #                  signal method: the run goes on after one), -v output parsed if the XML is missing
-#   pytest_probes  tests/test_gpu_probes.py
+#   pytest_probes  tests/gpu/test_gpu_probes.py
 # Steps marked gpu are skipped (and say why) when the gate finds nothing to run them on; set
 # GPU_CHECK_FORCE=1 to run them anyway. The CPU tests are left to CI.
 #
-# Rehearsal without a GPU (tests/test_gpu_check.py runs it; the gate fails, as it must):
+# Rehearsal without a GPU (tests/system/test_gpu_check.py runs it; the gate fails, as it must):
 #   PY=/path/to/venv/bin/python GPU_CHECK_SKIP_BUILD=1 OUT=/tmp/gpu_check tools/gpu_check.sh
 # Other knobs: GPU_CHECK_SKIP_BENCH=1, GPU_CHECK_WORK (work folder, default build/gpu_check),
 # GPU_CHECK_TEST_TIMEOUT_S (per test, default 90), GPU_CHECK_MIN_PASSED (default 80% of the
@@ -218,9 +218,9 @@ else
 fi
 
 step nccl_init env NCCL_DEBUG=INFO "$PY" "$SUMMARY" nccl-init
-step pytest_gpu "$PY" -m pytest tests -m "gpu or multigpu" --ignore=tests/test_gpu_probes.py "${PYTEST_OPTS[@]}" \
+step pytest_gpu "$PY" -m pytest tests -m "gpu or multigpu" --ignore=tests/gpu/test_gpu_probes.py "${PYTEST_OPTS[@]}" \
   --junitxml="$WORK/pytest_gpu.xml"
-step pytest_probes "$PY" -m pytest tests/test_gpu_probes.py -m "gpu or multigpu" "${PYTEST_OPTS[@]}" \
+step pytest_probes "$PY" -m pytest tests/gpu/test_gpu_probes.py -m "gpu or multigpu" "${PYTEST_OPTS[@]}" \
   --junitxml="$WORK/pytest_probes.xml"
 
 if [ "$MODE" = dry ]; then

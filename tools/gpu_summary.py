@@ -281,7 +281,7 @@ _OUTCOME = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED":
 
 
 def _node_id(classname: str, name: str) -> str:
-    """pytest's node id from junit's classname (``tests.test_x`` or ``tests.test_x.TestC``)."""
+    """pytest's node id from junit's classname (``tests.unit.test_x`` or ``tests.unit.test_x.TestC``)."""
     parts = classname.split(".")
     mods = [i for i, p in enumerate(parts) if p.startswith("test_")]
     if not mods:

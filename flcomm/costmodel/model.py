@@ -390,7 +390,7 @@ def fedavg_shard_copies(plan: Plan, *, residual_dtype: str = "fp32", offload: st
     residual (half a copy with ``residual_dtype="bf16"``), the outer momentum (nesterov) and the
     own delta (overlap) where the plan has them; none with ``offload="cpu"`` (all in host
     memory). This is the accounting of :meth:`flcomm.federated.fedavg.FedAvg.memory_stats`
-    (``tests/test_fedavg_engine.py`` ties the two; ``bench/memory.py`` measures it)."""
+    (``tests/dist/test_fedavg_engine.py`` ties the two; ``bench/memory.py`` measures it)."""
     if residual_dtype not in ("fp32", "bf16"):
         raise ValueError(f"residual_dtype must be 'fp32' or 'bf16', got {residual_dtype!r}")
     if offload not in (None, "cpu"):

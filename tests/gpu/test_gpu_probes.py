@@ -1,0 +1,732 @@
+"""Probes for a lent GPU (tools/gpu_check.sh runs this file in its own step, after the GPU tests).
+
+Each probe states its pass rule in its docstring and writes its figures with :func:`figure`
+(FLCOMM_GPU_FIGURES), so a failed or a passed run says how far it was from the rule. In order of
+value:
+
+1. real NCCL kernels: a one-rank ``all_to_all`` plans a self send/recv and launches a kernel (a
+   one-rank all-reduce may launch none), for the group event, cross-stream ordering and
+   SM-sharing probes;
+2. overlap end to end: an int8 + error-feedback FedAvg exchange over a stub two-rank "slow wire"
+   transport on the communication stream, against a matmul loop on the main stream;
+3. the FSDP2 all-reduce hook race with bf16 parameters and a bf16 reduce, with a positive control;
+4. kernel GB/s at 256 MiB and 1 GiB: the ``bench_kernels`` step of gpu_check (no test here);
+5. FedAvg offload with bf16 parameters and fragments, bit for bit against no offload (codec
+   none: offload changes a lossy codec's buckets), peak memory;
+6. the hook's error-feedback residual after an Inf gradient.
+
+The slow-wire stub, the one-process mesh, the offload comparison and the plain-torch reference
+of probe 6 also run on CPU (no delay), so CI checks their plumbing.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from flcomm import _native
+from flcomm.comm.base import CommStats, LinkTier, ReduceOp, Transport
+from tests.common.dist import run_distributed
+from tests.common.gpu_figures import CYCLES_PER_S, figure
+
+needs_nccl = pytest.mark.skipif(not (_native.available() and _native.native().compiled_with_nccl()),
+                                reason="flcomm built without NCCL")
+
+
+def C():
+    return _native.native()
+
+
+@pytest.fixture(scope="module")
+def comm():
+    c = C().NcclComm(C().nccl_unique_id(), 1, 0, 0, 60.0)
+    yield c
+    c.destroy()
+
+
+def _ms(e0: torch.cuda.Event, e1: torch.cuda.Event) -> float:
+    return e0.elapsed_time(e1)
+
+
+def _event() -> torch.cuda.Event:
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
+# ---------------------------------------------------------------- 1. real NCCL kernels
+
+@needs_nccl
+@pytest.mark.gpu
+def test_all_to_all_group_end_records_on_the_ops_stream(comm):
+    """Pass rule: a group holding one all_to_all issued on a side stream that first sleeps
+    ~100 ms, closed with the idle default stream current, is NOT complete at once (its event is
+    on the ops' stream, behind the sleep), and its output equals its input once waited."""
+    x = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    out = torch.zeros_like(x)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    comm.group_start()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(CYCLES_PER_S // 10)
+        comm.all_to_all(out, x)
+    w = comm.group_end()
+    early = w.is_completed()
+    t0 = time.monotonic()
+    assert w.wait(30.0)
+    waited = time.monotonic() - t0
+    equal = bool(torch.equal(out, x))
+    figure("test_all_to_all_group_end_records_on_the_ops_stream", completed_at_once=early, wait_s=waited, equal=equal)
+    assert not early, "group_end recorded its event on the current (idle) stream, not the ops' stream"
+    assert equal, "the one-rank all_to_all did not copy its input"
+
+
+@needs_nccl
+@pytest.mark.gpu
+def test_all_to_all_cross_stream_order_and_allocator(comm):
+    """Pass rule: on a side stream, ~200 ms of sleep, a fill, then the all_to_all: the output is
+    the fill (the kernel ran after it on that stream), and the input, dropped with its work handle
+    while the side stream still sleeps, is not handed to the next allocation of its size on the
+    default stream (the launch recorded it with the caching allocator). Control: on one stream a
+    freed block is handed out again."""
+    n = 1 << 22
+    c = torch.empty(n, device="cuda")
+    cptr = c.data_ptr()
+    del c
+    assert torch.empty(n, device="cuda").data_ptr() == cptr, "the allocator does not reuse blocks here"
+    x = torch.zeros(n, device="cuda")
+    out = torch.zeros(n, device="cuda")
+    ptr = x.data_ptr()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(CYCLES_PER_S // 5)
+        x.fill_(3.0)
+        w = comm.all_to_all(out, x)
+    del x, w
+    y = torch.empty(n, device="cuda")
+    reused = y.data_ptr() == ptr
+    torch.cuda.synchronize()
+    filled = bool(torch.all(out == 3.0).item())
+    figure("test_all_to_all_cross_stream_order_and_allocator", block_reused_while_in_use=reused, output_is_fill=filled)
+    assert filled, "the all_to_all did not run after the fill on its stream"
+    assert not reused, "the input of an all_to_all still queued on another stream was handed out again"
+
+
+def _matmul_loop(a: Tensor, n: int) -> None:
+    for _ in range(n):
+        torch.mm(a, a)
+
+
+@needs_nccl
+@pytest.mark.gpu
+def test_all_to_all_kernels_share_the_gpu_with_compute(comm):
+    """SM sharing. A run of one-rank all_to_all kernels (256 MiB each) on a communication stream,
+    timed with events against a bf16 matmul loop on the main stream, each also alone.
+    Pass rule: the two overlap in time (the overlap covers at least half of the shorter one), and
+    the matmul loop takes at most 3x its time alone (NCCL's kernels take a few SMs, not the GPU)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    x = torch.ones(64 << 20, device="cuda")
+    out = torch.empty_like(x)
+    comm_stream = torch.cuda.Stream()
+
+    def comms(k: int) -> None:
+        with torch.cuda.stream(comm_stream):
+            for _ in range(k):
+                comm.all_to_all(out, x)
+
+    _matmul_loop(a, 3)
+    comms(2)
+    torch.cuda.synchronize()
+    e = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    e[0].record()
+    _matmul_loop(a, 20)
+    e[1].record()
+    torch.cuda.synchronize()
+    mm_solo = _ms(e[0], e[1])
+    with torch.cuda.stream(comm_stream):
+        e[0].record()
+    comms(10)
+    with torch.cuda.stream(comm_stream):
+        e[1].record()
+    torch.cuda.synchronize()
+    per_a2a = _ms(e[0], e[1]) / 10
+    k = max(10, min(2000, int(2 * mm_solo / max(per_a2a, 1e-3))))  # NOTE: the comms outlast the matmuls
+    start = _event()
+    comm_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(comm_stream):
+        e[0].record()
+    comms(k)
+    with torch.cuda.stream(comm_stream):
+        e[1].record()
+    e[2].record()
+    _matmul_loop(a, 20)
+    e[3].record()
+    torch.cuda.synchronize()
+    c0, c1, m0, m1 = (_ms(start, ev) for ev in e)
+    overlap = max(0.0, min(c1, m1) - max(c0, m0))
+    shorter = min(c1 - c0, m1 - m0)
+    mm_during = m1 - m0
+    figure("test_all_to_all_kernels_share_the_gpu_with_compute", matmul_solo_ms=mm_solo, matmul_during_ms=mm_during,
+           a2a_ms=per_a2a, a2a_count=k, a2a_bytes=x.numel() * 4, a2a_gbps=x.numel() * 8 / per_a2a / 1e6,
+           comm_span_ms=c1 - c0, overlap_ms=overlap, inflation=mm_during / mm_solo)
+    assert overlap >= 0.5 * shorter, f"the NCCL kernels and the matmuls did not run together ({overlap:.1f} ms " \
+                                     f"of {shorter:.1f} ms)"
+    assert mm_during <= 3 * mm_solo, (mm_solo, mm_during)
+
+
+@needs_nccl
+@pytest.mark.gpu
+def test_exchange_in_flight_does_not_block_compute():
+    """Items 8/9 (transport side). Pass rule: while an all_reduce is queued on a communication
+    stream behind ~300 ms of GPU sleep, issuing it returns in < 50 ms, and a marker matmul timed
+    on the main stream finishes before the exchange and within 3x its time on an idle GPU."""
+    from flcomm.comm.nccl import NcclTransport
+
+    t = NcclTransport(C().NcclComm(C().nccl_unique_id(), 1, 0, 0, 60.0), blocking_wait=False)
+    a = torch.randn(4096, 4096, device="cuda")
+    big = torch.ones(64 << 20, device="cuda")
+
+    def marker() -> float:
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(5):
+            a @ a
+        e1.record()
+        e1.synchronize()
+        return e0.elapsed_time(e1)
+
+    marker()  # warm up cuBLAS
+    solo_ms = marker()
+    comm_stream = torch.cuda.Stream()
+    comm_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(comm_stream):
+        torch.cuda._sleep(CYCLES_PER_S * 3 // 10)
+        t0 = time.monotonic()
+        h = t.all_reduce(big, async_op=True)
+        issue_s = time.monotonic() - t0
+    during_ms = marker()
+    exchange_done_first = h.is_completed()
+    h.wait()
+    torch.cuda.synchronize()
+    t.close()
+    figure("test_exchange_in_flight_does_not_block_compute", issue_s=issue_s, marker_solo_ms=solo_ms,
+           marker_during_ms=during_ms, exchange_done_before_marker=exchange_done_first)
+    assert issue_s < 0.05, f"issuing the all_reduce blocked the host {issue_s:.3f} s"
+    assert not exchange_done_first, "the marker waited for the exchange"
+    assert during_ms < 3 * solo_ms, (solo_ms, during_ms)
+
+
+# ---------------------------------------------------------------- the slow wire and a one-process mesh
+
+class SlowWire(Transport):
+    """Rank 0 of a two-rank transport whose peer is its mirror (it sends exactly what this rank
+    sends), run locally: each collective does the copies / reduction a two-rank NCCL collective
+    would leave on this rank, then (CUDA) sleeps ``delay_s`` on the current stream, the wire.
+    Each collective's wire time is kept as a pair of events (``intervals``), grouped per exchange:
+    an int32 all-reduce (FedAvg's non-finite flags) opens a new group.
+
+    NOTE: the average of two mirrors is the rank's own delta for the exact collectives; the
+    two-hop all-gather returns this rank's reduced chunk for both chunks (the peer's chunk would
+    need the peer's pipeline): the values are finite and deterministic, not a true average."""
+
+    def __init__(self, device: torch.device, delay_s: float = 0.0) -> None:
+        super().__init__(0, 2, LinkTier.INTER_GROUP, CommStats(), timedelta(seconds=60))
+        self._device = device
+        self.cycles = int(delay_s * CYCLES_PER_S)
+        self.intervals: list[list[tuple]] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def _wire(self) -> None:
+        if self._device.type != "cuda" or not self.cycles:
+            return
+        e0 = torch.cuda.Event(enable_timing=True)
+        e1 = torch.cuda.Event(enable_timing=True)
+        e0.record()
+        torch.cuda._sleep(self.cycles)
+        e1.record()
+        if not self.intervals:
+            self.intervals.append([])
+        self.intervals[-1].append((e0, e1))
+
+    def _all_reduce(self, t: Tensor, op: ReduceOp) -> None:
+        if t.dtype == torch.int32:
+            self.intervals.append([])
+        if op is ReduceOp.SUM:
+            t.mul_(2)
+        self._wire()
+
+    def _reduce_scatter(self, out: Tensor, inp: Tensor, op: ReduceOp) -> None:
+        mine = inp[: out.numel()]
+        if op is ReduceOp.SUM:
+            torch.mul(mine, 2, out=out)
+        else:
+            out.copy_(mine)
+        self._wire()
+
+    def _all_gather(self, out: Tensor, inp: Tensor) -> None:
+        out.view(2, -1).copy_(inp.view(1, -1).expand(2, -1))
+        self._wire()
+
+    def _all_to_all(self, out: Tensor, inp: Tensor) -> None:
+        mine = inp.view(2, -1)[:1]  # NOTE: both ranks send me their chunk 0, which is mine
+        out.view(2, -1).copy_(mine.expand(2, -1))
+        self._wire()
+
+    def _broadcast(self, t: Tensor, src: int) -> None:
+        self._wire()
+
+
+class OneRank(Transport):
+    """A one-rank transport: every collective leaves its result as it is (copies where the
+    output is another tensor)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(0, 1, LinkTier.INTRA_NODE, CommStats(), timedelta(seconds=60))
+        self._device = device
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def _all_reduce(self, t, op): return None
+    def _reduce_scatter(self, o, i, op): o.copy_(i)
+    def _all_gather(self, o, i): o.copy_(i)
+    def _all_to_all(self, o, i): o.copy_(i)
+    def _broadcast(self, t, s): return None
+
+
+class OneProcessMesh:
+    """Rank 0 of a federation of two one-rank groups, in one process: what FedAvg reads of a
+    FedMesh, with the fed dim on ``wire`` and the (one-rank) group on :class:`OneRank`."""
+
+    def __init__(self, wire: Transport) -> None:
+        from flcomm.federated.topology import Topology
+
+        self.topology = Topology(2, 1, group_size=1)
+        self.rank = 0
+        self.coords = self.topology.coords(0)
+        self.timeout = timedelta(seconds=60)
+        self.stats = wire.stats
+        self.group_ranks = {"fed": [0, 1], "group": [0]}
+        self._t = {"fed": wire, "group": OneRank(wire.device)}
+
+    def transport(self, name: str) -> Transport:
+        return self._t[name]
+
+    def global_ranks(self, ranks):
+        return list(ranks)
+
+
+class Params(nn.Module):
+    def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.ps = nn.ParameterList(nn.Parameter(torch.randn(s, generator=g).to(device, dtype)) for s in shapes)
+
+
+def _train_step(model: Params, step: int) -> None:
+    """A deterministic local update (the same on every run): p += 1e-2 * noise(step)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    with torch.no_grad():
+        for p in model.ps:
+            p.add_((torch.randn(p.shape, generator=g) * 1e-2).to(p.device, p.dtype))
+
+
+def test_slow_wire_fedavg_plumbing_on_cpu():
+    """The probes' stub on CPU: FedAvg (int8, error feedback, overlap) runs over SlowWire and the
+    one-process mesh, in >= 8 buckets, and the exact exchange of two mirrors leaves the model as
+    plain local training would (avg of identical deltas = own delta)."""
+    from flcomm.federated.fedavg import FedAvg
+
+    dev = torch.device("cpu")
+    shapes = [(1 << 14,)] * 8 + [(3, 1001)]
+    model = Params(shapes, torch.float32, dev)
+    fed = FedAvg(model, OneProcessMesh(SlowWire(dev)), sync_every=2, codec="int8", error_feedback=True,
+                 overlap=True, overlap_steps=2, bucket_mb=0.0625)
+    assert fed._exchange.bar.num_buckets >= 8
+    for t in range(1, 7):
+        _train_step(model, t)
+        fed.step()
+    fed.finish()
+    assert fed.num_syncs == 3
+    exact = Params(shapes, torch.float32, dev)
+    ref = Params(shapes, torch.float32, dev)
+    fe = FedAvg(exact, OneProcessMesh(SlowWire(dev)), sync_every=2, overlap=True, overlap_steps=2, bucket_mb=0.0625)
+    for t in range(1, 7):
+        _train_step(exact, t)
+        _train_step(ref, t)
+        fe.step()
+    fe.finish()
+    for a, b in zip(exact.ps, ref.ps):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- 2. overlap end to end
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_fedavg_overlap_end_to_end_on_the_comm_stream():
+    """An int8 + error-feedback FedAvg exchange (overlap, k = E = 4 steps, >= 8 buckets) over the
+    slow wire (3 ms of GPU sleep per collective on the engine's communication stream) while the
+    main stream runs a bf16 matmul loop of ~40 ms per step, the host waiting for each step's end.
+    Events time: each compute step, each fed.step() on the main stream (the stall), each
+    collective on the wire. Closest to a two-rank run: the peer is this rank's mirror (SlowWire).
+
+    Figures: compute-step inflation (steps with exchanges in flight / steps alone), the wire's
+    idle fraction between buckets (per exchange, 1 - wire busy / wire span; the first exchange,
+    which allocates, left out), FedAvg's exposed_comm_s against the stall the events measured.
+    Pass rule: all 4 exchanges applied; inflation <= 1.5; the stall <= half the wire's busy time
+    (the exchange is mostly hidden); exposed_comm_s within [stall / 2 - 5 ms, 2 stall + 20 ms]."""
+    from flcomm.federated.fedavg import FedAvg
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    wire = SlowWire(dev, delay_s=0.003)
+    model = Params([(1 << 20,)] * 12, torch.float32, dev)
+    fed = FedAvg(model, OneProcessMesh(wire), sync_every=4, codec="int8", error_feedback=True, overlap=True,
+                 overlap_steps=4, bucket_mb=4.0)
+    buckets = fed._exchange.bar.num_buckets
+    wire.intervals.clear()  # NOTE: the construction's peer check and broadcast are no exchange
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    _matmul_loop(a, 10)
+    e0 = _event()
+    _matmul_loop(a, 20)
+    e1 = _event()
+    torch.cuda.synchronize()
+    n_mm = max(1, int(40.0 / (_ms(e0, e1) / 20)))
+
+    def compute() -> tuple:
+        s = _event()
+        _matmul_loop(a, n_mm)
+        e = _event()
+        e.synchronize()  # NOTE: as a loop that reads its loss: host time in fed.step() is a GPU stall
+        return s, e
+
+    solo = [compute() for _ in range(6)][2:]
+    fed.exposed_comm_s = 0.0
+    steps, stalls = [], []
+    for t in range(1, 20):  # NOTE: syncs at 4, 8, 12, 16; the last one has 3 steps before finish()
+        steps.append(compute())
+        _train_step_gpu(model)
+        s = _event()
+        fed.step()
+        stalls.append((s, _event()))
+    s = _event()
+    fed.finish()
+    stalls.append((s, _event()))
+    torch.cuda.synchronize()
+    exposed = fed.exposed_comm_s
+    solo_ms = sum(_ms(*p) for p in solo) / len(solo)
+    step_ms = sum(_ms(*p) for p in steps[4:]) / len(steps[4:])  # NOTE: from the first exchange on
+    stall_s = sum(_ms(*p) for p in stalls) / 1e3
+    exchanges = [g for g in wire.intervals if g]
+    busy_s = sum(_ms(*iv) for g in exchanges for iv in g) / 1e3
+    idle = []
+    for g in exchanges[1:]:
+        span = _ms(g[0][0], g[-1][1])
+        idle.append(1 - sum(_ms(*iv) for iv in g) / span if span > 0 else 0.0)
+    res = {"buckets": buckets, "exchanges": len(exchanges), "collectives_per_exchange": [len(g) for g in exchanges],
+           "num_syncs": fed.num_syncs, "matmuls_per_step": n_mm, "step_solo_ms": solo_ms, "step_during_ms": step_ms,
+           "inflation": step_ms / solo_ms, "wire_busy_s": busy_s, "wire_idle_fraction": idle,
+           "stall_events_s": stall_s, "fedavg_exposed_comm_s": exposed}
+    figure("test_fedavg_overlap_end_to_end_on_the_comm_stream", **res)
+    assert buckets >= 8, res
+    assert fed.num_syncs == 4, res
+    assert res["inflation"] <= 1.5, res
+    assert stall_s <= 0.5 * busy_s, res
+    assert stall_s / 2 - 0.005 <= exposed <= 2 * stall_s + 0.02, res
+
+
+def _train_step_gpu(model: Params) -> None:
+    with torch.no_grad():
+        for p in model.ps:
+            p.add_(1e-3)
+
+
+# ---------------------------------------------------------------- 3. the FSDP2 hook race, bf16
+
+def _fsdp_bf16_race(rank: int, world: int) -> dict:
+    """Child process (1-rank NCCL group): FSDP2 with param_dtype=bf16 and reduce_dtype=bf16 (the
+    reduce output is then cast to the fp32 gradient and freed, so the next reduce-scatter can get
+    its block), a ReplicateAllReduceHook per module that also halves the buffer after a ~50 ms GPU
+    sleep on the hook's stream; three runs: no sleep (reference), sleep, and sleep with
+    Tensor.record_stream turned off inside the hook (the positive control)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    from flcomm.comm.torch_pg import TorchTransport
+    from flcomm.fsdp.fsdp2 import ReplicateAllReduceHook
+
+    torch.cuda.set_device(0)
+    mesh = init_device_mesh("cuda", (1,))
+    transport = TorchTransport(tier="inter_node")
+
+    class ScaleHook(ReplicateAllReduceHook):
+        sleep_cycles = 0
+
+        def __call__(self, reduce_output):
+            super().__call__(reduce_output)
+            if self.sleep_cycles:
+                torch.cuda._sleep(self.sleep_cycles)
+            reduce_output.mul_(0.5)
+
+    class SleepyHook(ScaleHook):
+        sleep_cycles = CYCLES_PER_S // 20
+
+    class NoRecordHook(SleepyHook):
+        def __call__(self, reduce_output):
+            keep = torch.Tensor.record_stream
+            torch.Tensor.record_stream = lambda *a, **k: None  # NOTE: the hook's own call off
+            try:
+                super().__call__(reduce_output)
+            finally:
+                torch.Tensor.record_stream = keep
+
+    def grads(hook_cls) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        for layer in model:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_all_reduce_hook(hook_cls(transport))
+        x = torch.randn(256, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        for _ in range(3):
+            model.zero_grad()
+            model(x).float().pow(2).mean().backward()
+        torch.cuda.synchronize()
+        return [p.grad.full_tensor().cpu() for p in model.parameters()]
+
+    ref, got, ctl = grads(ScaleHook), grads(SleepyHook), grads(NoRecordHook)
+
+    def differ(xs):
+        return [i for i, (a, b) in enumerate(zip(ref, xs)) if not torch.equal(a, b)]
+
+    return {"params": len(ref), "differ": differ(got), "control_differ": differ(ctl),
+            "grad_dtype": str(ref[0].dtype)}
+
+
+@needs_nccl
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+def test_fsdp2_hook_race_with_a_bf16_reduce():
+    """Pass rule: with the hook's record_stream every gradient equals the reference run (same
+    hook, no sleep) bit for bit; the positive control (record_stream off) differs in at least one
+    gradient, so the probe can see the race it guards against."""
+    (res,) = run_distributed(_fsdp_bf16_race, 1, timeout=150, backend="nccl")
+    figure("test_fsdp2_hook_race_with_a_bf16_reduce", **res)
+    assert res["params"] == 16 and res["differ"] == [], res
+    assert res["control_differ"], f"the control without record_stream did not race: the probe is blind here {res}"
+
+
+def _fsdp_hook_race(rank: int, world: int) -> dict:
+    """Child process (1-rank NCCL group): FSDP2 with param_dtype=bf16, reduce_dtype=fp32 and a
+    ReplicateAllReduceHook per module that also halves the buffer, with and without a ~20 ms GPU
+    sleep inside each hook call (on the hook's stream): the gradients must be identical."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    from flcomm.comm.torch_pg import TorchTransport
+    from flcomm.fsdp.fsdp2 import ReplicateAllReduceHook
+
+    torch.cuda.set_device(0)
+    mesh = init_device_mesh("cuda", (1,))
+    transport = TorchTransport(tier="inter_node")
+
+    # NOTE: on one rank the all-reduce changes nothing, so each hook then scales the buffer in
+    # place: a buffer reused by the next reduce-scatter while the (slow) hook still runs would
+    # show in the gradients.
+    class ScaleHook(ReplicateAllReduceHook):
+        sleep_cycles = 0
+
+        def __call__(self, reduce_output):
+            super().__call__(reduce_output)
+            if self.sleep_cycles:
+                torch.cuda._sleep(self.sleep_cycles)
+            reduce_output.mul_(0.5)
+
+    class SleepyHook(ScaleHook):
+        sleep_cycles = CYCLES_PER_S // 50
+
+    def grads(hook_cls) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)]).cuda()
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_all_reduce_hook(hook_cls(transport))
+        x = torch.randn(64, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        for _ in range(3):
+            model.zero_grad()
+            model(x).float().pow(2).mean().backward()
+        torch.cuda.synchronize()
+        return [p.grad.full_tensor().cpu() for p in model.parameters()]
+
+    ref, got = grads(ScaleHook), grads(SleepyHook)
+    diff = [i for i, (a, b) in enumerate(zip(ref, got)) if not torch.equal(a, b)]
+    return {"params": len(ref), "differ": diff}
+
+
+@needs_nccl
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+def test_fsdp2_hook_with_mixed_precision_and_a_slow_hook():
+    """Item 5. Pass rule: every gradient equals the reference run (same hook, no sleep)."""
+    (res,) = run_distributed(_fsdp_hook_race, 1, timeout=150, backend="nccl")
+    figure("test_fsdp2_hook_with_mixed_precision_and_a_slow_hook", **res)
+    assert res["params"] == 16 and res["differ"] == [], res
+
+
+# ---------------------------------------------------------------- 5. offload, bf16, fragments
+
+def _offload_run(offload: str | None, dev: torch.device) -> dict:
+    """FedAvg over the slow wire (no delay) with bf16 parameters, two fragments, Nesterov and
+    overlap, 8 steps; codec none (see :func:`test_offload_bf16_fragments_bit_for_bit`)."""
+    from flcomm.federated.fedavg import FedAvg
+
+    shapes = [(1 << 18,)] * 6 + [(3, 100_001), (257,)]
+    model = Params(shapes, torch.bfloat16, dev)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev) if cuda else 0
+    fed = FedAvg(model, OneProcessMesh(SlowWire(dev)), sync_every=2, fragments=2, codec="none", outer="nesterov",
+                 overlap=True, overlap_steps=1, bucket_mb=1.0, offload=offload)
+    for t in range(1, 9):
+        _train_step(model, t)
+        fed.step()
+    fed.finish()
+    if cuda:
+        torch.cuda.synchronize()
+    return {"params": [p.detach().cpu() for p in model.ps], "anchors": [a.cpu() for a in fed._anchor],
+            "momentum": [b.cpu() for b in fed._outer.buffers], "syncs": fed.num_syncs, "mem": fed.memory_stats(),
+            "peak": torch.cuda.max_memory_allocated(dev) - base if cuda else None}
+
+
+def _offload_equal(dev: torch.device) -> tuple[dict, dict, dict]:
+    on_dev, off = _offload_run(None, dev), _offload_run("cpu", dev)
+    equal = {k: len(on_dev[k]) > 0 and all(torch.equal(a, b) for a, b in zip(on_dev[k], off[k]))
+             for k in ("params", "anchors", "momentum")}
+    return equal, on_dev, off
+
+
+def test_offload_bf16_fragments_bit_for_bit_on_cpu():
+    """The CPU twin of the probe below (host and device are one memory; the same staged path)."""
+    equal, on_dev, off = _offload_equal(torch.device("cpu"))
+    assert off["syncs"] == on_dev["syncs"] == 8
+    assert all(equal.values()), equal
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_offload_bf16_fragments_bit_for_bit():
+    """FedAvg with bf16 parameters, two fragments, Nesterov, overlap, over the slow wire (no
+    delay), 8 steps, with offload="cpu" (anchors, own deltas, momentum in pinned host memory) and
+    without. Codec none, not int8 + error feedback as first asked: offload shrinks the buckets
+    so that a bucket's device buffers fit in two buckets, which moves the int8 blocks and chunk
+    boundaries, so lossy runs differ by their quantization error by design.
+    Pass rule: parameters, anchors and momentum bit for bit equal; the offloaded run's peak
+    device memory above the model (torch.cuda.max_memory_allocated) is below the device run's."""
+    equal, on_dev, off = _offload_equal(torch.device("cuda", torch.cuda.current_device()))
+    figure("test_offload_bf16_fragments_bit_for_bit", equal=equal, peak_device_bytes=on_dev["peak"],
+           peak_offload_bytes=off["peak"], syncs=off["syncs"], mem_offload=off["mem"], mem_device=on_dev["mem"])
+    assert off["syncs"] == on_dev["syncs"] == 8, (off["syncs"], on_dev["syncs"])
+    assert all(equal.values()), equal
+    assert off["peak"] < on_dev["peak"], (off["peak"], on_dev["peak"])
+
+
+# ---------------------------------------------------------------- 6. the residual after an Inf gradient
+
+def _two_hop_mirror_ref(x: Tensor, residual: Tensor, fmt: str, block: int) -> tuple[Tensor, Tensor]:
+    """Plain torch (flcomm.kernels' *_ref twins): compressed_all_reduce's avg with error feedback
+    as rank 0 of two ranks whose peer is its mirror (SlowWire): hop 1 encodes both chunks with
+    the residual, receives its own chunk 0 twice, averages, re-encodes with the hop-2 error
+    (times 2) into the residual of chunk 0; hop 2 returns that chunk for both. Returns (result,
+    new residual)."""
+    from flcomm import kernels
+
+    c = x.numel() // 2
+    r = residual.clone()
+    enc = kernels.encoded_nbytes(c, fmt, block)
+    slots = [torch.empty(enc, dtype=torch.uint8) for _ in range(2)]
+    for j in range(2):
+        kernels.quantize_error_feedback_ref(x[j * c:(j + 1) * c], r[j * c:(j + 1) * c], slots[j], fmt=fmt,
+                                            block_size=block)
+    acc = torch.zeros(c)
+    for _ in range(2):
+        kernels.dequantize_ref(slots[0], acc, fmt=fmt, block_size=block, accumulate=True)
+    acc.div_(2)
+    err, mine = torch.zeros(c), torch.empty(enc, dtype=torch.uint8)
+    kernels.quantize_error_feedback_ref(acc, err, mine, fmt=fmt, block_size=block)
+    r[:c].add_(err.mul_(2))
+    half = torch.empty(c)
+    kernels.dequantize_ref(mine, half, fmt=fmt, block_size=block)
+    return torch.cat([half, half]), r
+
+
+def test_mirror_reference_is_the_hook_on_cpu():
+    """The plain-torch reference of the probe below against the hook on CPU, finite gradients
+    only (the Inf case is the lead's CPU test): result and residual bit for bit, three rounds."""
+    from flcomm.codecs import get_codec
+    from flcomm.fsdp.fsdp2 import ReplicateAllReduceHook
+
+    codec = get_codec("int8")
+    hook = ReplicateAllReduceHook(SlowWire(torch.device("cpu")), codec="int8", error_feedback=True)
+    g = torch.Generator().manual_seed(0)
+    r = torch.zeros(64 * codec.block_size)
+    for _ in range(3):
+        x = torch.randn(r.numel(), generator=g)
+        want, r = _two_hop_mirror_ref(x, r, codec.fmt, codec.block_size)
+        got = x.clone()
+        hook(got)
+        assert torch.equal(got, want) and torch.equal(hook.residual, r)
+
+
+@pytest.mark.gpu
+def test_hook_residual_is_finite_again_after_an_inf_gradient():
+    """The FSDP2 all-reduce hook (int8, error feedback) called directly on CUDA reduce outputs,
+    over the two-rank slow wire without delay (closest to FSDP2 calling it that needs no second
+    GPU; a one-rank transport would skip the codec and the residual): a gradient with an Inf,
+    then two finite ones.
+    Pass rule: the residual is finite after the first finite gradient, and after the second the
+    hook's result and residual equal a plain-torch computation from the residual it started from
+    (:func:`_two_hop_mirror_ref`), bit for bit."""
+    from flcomm.codecs import get_codec
+    from flcomm.fsdp.fsdp2 import ReplicateAllReduceHook
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    codec = get_codec("int8")
+    hook = ReplicateAllReduceHook(SlowWire(dev), codec="int8", error_feedback=True)
+    g = torch.Generator().manual_seed(0)
+    n = 64 * codec.block_size  # NOTE: two chunks of whole blocks: no padding
+    grads = [torch.randn(n, generator=g).to(dev) for _ in range(3)]
+    grads[0][5] = float("inf")
+    finite_after = []
+    for x in grads[:2]:
+        hook(x.clone())
+        finite_after.append(bool(torch.isfinite(hook.residual).all()))
+    r_before = hook.residual.clone()
+    out = grads[2].clone()
+    hook(out)
+    # NOTE: on CPU: the torch ops the CPU kernels are checked against bit for bit
+    ref_out, ref_r = _two_hop_mirror_ref(grads[2].cpu(), r_before.cpu(), codec.fmt, codec.block_size)
+    got_r, got_out = hook.residual.cpu(), out.cpu()
+    figure("test_hook_residual_is_finite_again_after_an_inf_gradient", finite_after_inf=finite_after[0],
+           finite_after_next=finite_after[1], residual_max_diff=float((got_r - ref_r).abs().max()),
+           out_max_diff=float((got_out - ref_out).abs().max()))
+    assert finite_after[1], "the error-feedback residual stayed non-finite after a finite gradient"
+    assert torch.equal(got_r, ref_r), "the residual after a finite step differs from plain torch"
+    assert torch.equal(got_out, ref_out), "the hook's result differs from plain torch"

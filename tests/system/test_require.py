@@ -1,0 +1,57 @@
+"""``FLCOMM_REQUIRE`` turns a missing native feature into a failed run: a copy of the package
+without ``flcomm._C`` (the broken build CI must not pass as skips) fails at start-up, naming the
+feature; the real build passes."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from flcomm.info import build_info, missing_features
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _pytest(where: pathlib.Path, require: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FLCOMM_REQUIRE": require, "PYTHONPATH": str(where)}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_ok.py"],
+                          cwd=where, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _tree(tmp_path: pathlib.Path, with_native: bool) -> pathlib.Path:
+    shutil.copytree(ROOT / "flcomm", tmp_path / "flcomm",
+                    ignore=shutil.ignore_patterns("__pycache__", *(() if with_native else ("*.so",))))
+    if not with_native:  # NOTE: a module that fails to import, as a broken build's _C does
+        (tmp_path / "flcomm" / "_C.py").write_text("raise ImportError('undefined symbol: a broken build')\n")
+    (tmp_path / "tests").mkdir()
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "tests" / "conftest.py")
+    (tmp_path / "tests" / "test_ok.py").write_text("def test_ok():\n    assert True\n")
+    return tmp_path
+
+
+def test_a_build_without_the_native_module_fails_the_run(tmp_path):
+    r = _pytest(_tree(tmp_path, with_native=False), "native")
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "FLCOMM_REQUIRE=native, but this flcomm lacks: native: not in this build" in r.stdout + r.stderr
+    assert "1 passed" not in r.stdout
+
+
+def test_this_build_passes_with_what_it_has(tmp_path):
+    info = build_info()
+    have = ["native"] + [f for f in ("cuda", "nccl") if not missing_features([f], info)]
+    r = _pytest(_tree(tmp_path, with_native=True), ",".join(have))
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout + r.stderr
+
+
+def test_missing_features_reads_the_build_info():
+    info = {"native": True, "native_error": None, "cpu_kernels": ["quantize"], "cuda_kernels": [],
+            "cuda_compiled": False, "nccl_compiled": None}
+    assert missing_features("native", info) == []
+    assert [m.split(":")[0] for m in missing_features("native,cuda,nccl", info)] == ["cuda", "nccl"]
+    with pytest.raises(ValueError, match=r"unknown flcomm feature\(s\) \['gpu'\]; expected some of"):
+        missing_features("native,gpu", info)

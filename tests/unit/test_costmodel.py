@@ -1,0 +1,347 @@
+"""Cost model: exact hand-computed step times, monotonicity, crossovers, recommendations and the
+CLI (``--measure`` on gloo is in tests/dist/test_costmodel_measure.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flcomm import costmodel as cm
+from flcomm.costmodel import Cluster, Link, Plan, Strategy, Workload, codec_nbytes, predict
+
+# 2 nodes x 2 ranks; intra 1 GB/s per rank, 10 us; inter 100 MB/s per node, 100 us.
+AI, BI, AE, BE = 1e-5, 1e9, 1e-4, 1e8
+N = 1_000_000
+
+
+def cluster(nodes: int = 2, L: int = 2, be: float = BE) -> Cluster:
+    return Cluster(nodes, L, Link(BI, AI), Link(be, AE))
+
+
+def workload(**kw) -> Workload:
+    base = dict(params=N, tokens_per_rank=1000, compute_s=0.1, param_bytes=2, grad_bytes=4)
+    base.update(kw)
+    return Workload(**base)
+
+
+# ---------------------------------------------------------------- exact formulas ----
+
+def test_fsdp_flat_two_nodes_matches_hand_formula():
+    # ring over 4 ranks on 2 nodes: 3 steps of the inter latency; one ring flow per node NIC.
+    ag = 3 * AE + max(0.75 * 2e6 / BE, 0.75 * 2e6 / BI)
+    rs = 3 * AE + max(0.75 * 4e6 / BE, 0.75 * 4e6 / BI)
+    p = predict(cluster(), workload(), Plan("fsdp"))
+    assert p.inner_comm_s == pytest.approx(2 * ag + rs, rel=1e-12)
+    assert p.step_time_s == pytest.approx(0.1 + 2 * ag + rs, rel=1e-12)
+    assert p.tokens_per_s == pytest.approx(4 * 1000 / (0.1 + 2 * ag + rs), rel=1e-12)
+    # CommStats convention: wire bytes one rank sends
+    assert p.internode_bytes_per_step == 2 * (3 * 2_000_000 // 4) + 3 * 4_000_000 // 4
+    assert p.intergroup_bytes_per_step == 0
+    assert p.fed_comm_s == 0
+
+
+def test_gloo_reduce_scatter_costs_an_all_reduce():
+    c = Cluster(2, 2, Link(BI, AI), Link(BE, AE), reduce_scatter_as_all_reduce=True)
+    ag = 3 * AE + 0.75 * 2e6 / BE
+    rs = 6 * AE + 2 * 0.75 * 4e6 / BE  # the ring all-reduce of the whole gradient buffer
+    p = predict(c, workload(), Plan("fsdp"))
+    assert p.inner_comm_s == pytest.approx(2 * ag + rs, rel=1e-12)
+    assert p.internode_bytes_per_step == 2 * 1_500_000 + 6_000_000
+    m = {"nodes": 2, "ranks_per_node": 2, "backend": "gloo", "intra_node": {"bandwidth_Bps": BI},
+         "inter_node": {"bandwidth_Bps": BE, "latency_s": AE}}
+    assert Cluster.from_measurement(m).reduce_scatter_as_all_reduce
+    assert not Cluster.from_measurement({**m, "backend": "nccl"}).reduce_scatter_as_all_reduce
+
+
+def test_fsdp_hierarchical_matches_hand_formula():
+    # intra ring over 2 on B, then inter ring over 2 nodes on B/2 with the NIC shared by 2 ranks
+    def stage(B: float) -> float:
+        return (AI + 0.5 * B / BI) + (AE + 0.5 * (B / 2) / (BE / 2))
+
+    p = predict(cluster(), workload(), Plan("fsdp", hierarchical=True))
+    assert p.inner_comm_s == pytest.approx(2 * stage(2e6) + stage(4e6), rel=1e-12)
+    assert p.bytes_per_step["intra_node"] == 2 * 1_000_000 + 2_000_000
+    assert p.bytes_per_step["inter_node"] == 2 * 500_000 + 1_000_000
+
+
+def test_hsdp_matches_hand_formula():
+    ag = AI + 0.5 * 2e6 / BI
+    rs = AI + 0.5 * 4e6 / BI
+    # replica all-reduce of the 2 MB gradient shard over 2 nodes; both ranks of a node share the NIC
+    ar = 2 * AE + 2 * 0.5 * 2e6 / (BE / 2)
+    p = predict(cluster(), workload(), Plan("hsdp"))
+    assert (p.group_size, p.shard_size) == (4, 2)
+    assert p.inner_comm_s == pytest.approx(2 * ag + rs + ar, rel=1e-12)
+    assert p.internode_bytes_per_step == 2_000_000
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_fl_fsdp_int8_matches_hand_formula(overlap: bool):
+    ag = AI + 0.5 * 2e6 / BI
+    rs = AI + 0.5 * 4e6 / BI
+    enc = _a16(500_000) + _a16(4 * math.ceil(500_000 / 256))  # int8 payload + fp32 scale per 256-block
+    fed = 2 * AE + 2 * 0.5 * enc / (BE / 2)       # all-reduce over F = 2 groups, NIC shared by 2
+    p = predict(cluster(), workload(), Plan("fl-fsdp", group_size=2, sync_every=4, codec="int8", overlap=overlap))
+    assert p.fed_comm_s == pytest.approx(fed, rel=1e-12)
+    exposed = max(0.0, fed - 0.1) if overlap else fed
+    assert p.step_time_s == pytest.approx(0.1 + 2 * ag + rs + exposed / 4, rel=1e-12)
+    assert p.intergroup_bytes_per_step == pytest.approx(enc / 4)
+    assert p.internode_bytes_per_step == 0
+
+
+def test_fl_hsdp_and_units_and_overlap_formula():
+    # 4 nodes x 2: FL+HSDP with G = 4 (2 nodes), S = 2; 3 FSDP units; half the inner comm hidden
+    c, U = cluster(nodes=4), 3
+    wl = workload(fsdp_units=U, fsdp_overlap=0.5)
+    ag = AI + 0.5 * (2e6 / U) / BI
+    rs = AI + 0.5 * (4e6 / U) / BI
+    ar = 2 * AE + 2 * 0.5 * (2e6 / U) / (BE / 2)
+    inner = U * (2 * ag + rs + ar)
+    fed = 2 * AE + 2 * 0.5 * codec_nbytes("bf16", 500_000) / (BE / 2)
+    p = predict(c, wl, Plan("fl-hsdp", group_size=4, shard_size=2, sync_every=2, codec="bf16",
+                            sharded_exchange=False))
+    assert p.inner_comm_s == pytest.approx(inner, rel=1e-12)
+    assert p.step_time_s == pytest.approx(0.1 + inner - min(0.5 * inner, 0.1) + fed / 2, rel=1e-12)
+
+
+def test_sharded_fl_hsdp_exchange_formula():
+    """FL+HSDP, F = 2 groups of R = 2 replicas x S = 2 shards on 4 nodes x 2: each replica
+    all-reduces half of the N / S shard over the groups, then the replicas all-gather the
+    averaged halves as encoded: inter-group bytes / R, plus (R-1)/R of the encoded shard inside
+    the group."""
+    c = cluster(nodes=4)
+    enc = codec_nbytes("bf16", 250_000)                    # half of the 500k-element shard
+    ar = 2 * AE + 2 * 1.0 * enc / BE                        # F = 2, two groups share each NIC
+    ag = AE + 2 * 0.5 * (2 * enc) / BE                      # R = 2 at stride 2, the encoded shard
+    plan = Plan("fl-hsdp", group_size=4, shard_size=2, sync_every=2, codec="bf16")
+    p = predict(c, workload(), plan)
+    assert p.fed_comm_s == pytest.approx(ar + ag, rel=1e-12)
+    plain = predict(c, workload(), Plan("fl-hsdp", group_size=4, shard_size=2, sync_every=2, codec="bf16",
+                                        sharded_exchange=False))
+    assert p.intergroup_bytes_per_step == pytest.approx(enc / 2)
+    assert plain.intergroup_bytes_per_step == pytest.approx(2 * p.intergroup_bytes_per_step)
+    # (R-1)/R of the encoded shard (2 enc), once every E = 2 steps
+    assert p.internode_bytes_per_step - plain.internode_bytes_per_step == pytest.approx(0.5 * 2 * enc / 2)
+
+
+def test_fragments_move_a_kth_every_e_over_k_steps():
+    enc = codec_nbytes("int8", 250_000)  # half of the N / S = 500k shard
+    frag = 2 * AE + 2 * 0.5 * enc / (BE / 2)
+    p = predict(cluster(), workload(), Plan("fl-fsdp", group_size=2, sync_every=4, codec="int8", fragments=2))
+    ag = AI + 0.5 * 2e6 / BI
+    rs = AI + 0.5 * 4e6 / BI
+    assert p.fed_comm_s == pytest.approx(frag, rel=1e-12)
+    assert p.step_time_s == pytest.approx(0.1 + 2 * ag + rs + frag * 2 / 4, rel=1e-12)
+    assert p.intergroup_bytes_per_step == pytest.approx(enc * 2 / 4)
+    with pytest.raises(ValueError, match="fragments .K. must divide sync_every=4, got 3"):
+        Plan("fl-fsdp", sync_every=4, fragments=3)
+
+
+def _a16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def test_codec_bytes_are_the_wire_layout():
+    """Payload, then one fp32 scale per 256-element block (int8, fp8), each 16-byte aligned."""
+    for n in (1, 1000, 123_457):
+        assert codec_nbytes("none", n) == 4 * n
+        assert codec_nbytes("bf16", n) == codec_nbytes("fp16", n) == _a16(2 * n)
+        assert codec_nbytes("int8", n) == codec_nbytes("fp8", n) == _a16(n) + _a16(4 * math.ceil(n / 256))
+
+
+# ---------------------------------------------------------------- properties ----
+
+plans = st.sampled_from([
+    Plan("fsdp"), Plan("hsdp"), Plan("fsdp", hierarchical=True),
+    Plan("fl-fsdp", group_size=2, sync_every=4, codec="none"),
+    Plan("fl-fsdp", group_size=4, sync_every=2, codec="int8", overlap=True),
+    Plan("fl-hsdp", group_size=4, shard_size=2, sync_every=8, codec="bf16"),
+])
+
+
+@settings(max_examples=60, deadline=None)
+@given(plan=plans, be=st.floats(1e6, 1e10), factor=st.floats(1.01, 100.0), compute=st.floats(0.0, 1.0))
+def test_step_time_never_grows_with_inter_bandwidth(plan: Plan, be: float, factor: float, compute: float):
+    c = cluster(nodes=4, be=be)
+    wl = workload(compute_s=compute)
+    slow, fast = predict(c, wl, plan), predict(c.scale_inter(factor), wl, plan)
+    assert fast.step_time_s <= slow.step_time_s * (1 + 1e-12)
+    assert slow.step_time_s >= compute
+
+
+@settings(max_examples=40, deadline=None)
+@given(E=st.integers(1, 64), be=st.floats(1e6, 1e10))
+def test_fl_step_time_falls_with_E_and_lighter_codecs(E: int, be: float):
+    c, wl = cluster(nodes=4, be=be), workload()
+    t = {codec: predict(c, wl, Plan("fl-fsdp", group_size=2, sync_every=E, codec=codec)).step_time_s
+         for codec in ("none", "bf16", "int8")}
+    assert t["int8"] <= t["bf16"] <= t["none"]
+    later = predict(c, wl, Plan("fl-fsdp", group_size=2, sync_every=E + 1)).step_time_s
+    assert later <= t["none"]
+    overlapped = predict(c, wl, Plan("fl-fsdp", group_size=2, sync_every=E, overlap=True)).step_time_s
+    assert overlapped <= t["none"]
+
+
+def test_fl_speedup_shrinks_as_inter_links_get_faster():
+    # NOTE: only while the node links are the bottleneck (inter per node <= intra per rank):
+    # beyond that FSDP is intra-bound while the exchange still speeds up, and with latency the
+    # ratio of the latency floors (FSDP's longer rings) also moves it.
+    c = Cluster(8, 2, Link(BI, 0.0), Link(BE, 0.0))
+    wl, pl = workload(), Plan("fl-fsdp", group_size=2, sync_every=8, codec="int8")
+    s = [cm.speedup(c.scale_inter(f), wl, pl) for f in (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)]
+    assert all(a >= b for a, b in zip(s, s[1:])), s
+    assert s[0] > 2
+
+
+# ---------------------------------------------------------------- crossovers ----
+
+def test_bandwidth_crossover_is_where_speedup_equals_threshold():
+    c, wl = cluster(nodes=8), workload()
+    pl = Plan("fl-fsdp", group_size=2, sync_every=8, codec="int8")
+    thr = 1.5
+    x = cm.crossover_bandwidth_ratio(c, wl, pl, "fsdp", threshold=thr)
+    assert x.value is not None
+    r0 = c.bandwidth_ratio
+
+    def s(r: float) -> float:
+        return cm.speedup(c.scale_inter(r / r0), wl, pl)
+
+    assert s(x.value) == pytest.approx(thr, rel=1e-3)
+    assert s(x.value * 0.9) > thr > s(x.value * 1.1)
+    never = cm.crossover_bandwidth_ratio(c, wl, pl, "fsdp", threshold=1e6)
+    assert never.value is None and "below" in never.describe()
+
+
+def test_sync_every_crossover_is_the_smallest_paying_E():
+    c, wl = cluster(nodes=8, be=1e7), workload(compute_s=0.01)
+    pl = Plan("fl-fsdp", group_size=2, codec="none")
+    x = cm.crossover_sync_every(c, wl, pl, "fsdp", threshold=1.2)
+    E = int(x.value)
+    assert E > 1
+    assert cm.speedup(c, wl, Plan("fl-fsdp", group_size=2, sync_every=E), "fsdp") >= 1.2
+    assert cm.speedup(c, wl, Plan("fl-fsdp", group_size=2, sync_every=E - 1), "fsdp") < 1.2
+    with pytest.raises(ValueError, match="fl-fsdp / fl-hsdp, got fsdp"):
+        cm.crossover_sync_every(c, wl, Plan("fsdp"))
+
+
+# ---------------------------------------------------------------- recommendation ----
+
+def test_recommend_federates_on_slow_links_and_not_on_fast_ones():
+    wl = workload()
+    slow = cm.recommend(cluster(nodes=8, be=1e7), wl)
+    assert slow.best.plan.strategy.federated
+    assert slow.best.tokens_per_s >= 0.95 * slow.ranked[0].tokens_per_s
+    fast = cm.recommend(Cluster(8, 2, Link(BI, 0.0), Link(2 * BI * 10, 0.0)), wl)
+    assert not fast.best.plan.strategy.federated, fast.reason
+
+
+def test_recommend_respects_memory():
+    wl = workload()
+    c = cluster(nodes=8, be=1e7)
+    fsdp = predict(c, wl, Plan("fsdp"))  # S = P = 16: the least memory per rank
+    rec = cm.recommend(c, wl, memory_bytes=fsdp.memory_total * 1.01)
+    assert all(p.shard_size == 16 for p in rec.ranked)
+    assert rec.best.plan.strategy is Strategy.FSDP
+    assert rec.left_out.startswith(f"{len(list(_all_plans(c, wl))) - len(rec.ranked)} plans need more than")
+    with pytest.raises(ValueError, match="no plan fits: .* plans need more than 1 B per rank"):
+        cm.recommend(cluster(), wl, memory_bytes=1.0)
+
+
+def _all_plans(c, wl):
+    return [p for p in cm.recommend(c, wl, top=10 ** 6).ranked]
+
+
+def test_memory_per_rank_formula():
+    """N = 1e6 on 2 nodes x 2: int8 + error feedback + nesterov + overlap keeps four fp32 copies of
+    the N / S shard (anchor, residual, momentum, own delta); the paper's mode none."""
+    wl = workload(fsdp_units=4, activation_bytes=123.0)
+    full = Plan("fl-fsdp", 2, None, 4, "int8", overlap=True, error_feedback=True, outer="nesterov")
+    m = predict(cluster(), wl, full).memory_bytes
+    buckets = 2 * wl.bucket_mb * 2**20
+    assert m == {"state": 16 * N / 2, "unsharded": N / 4 * (2 * 2 + 4), "fedavg": 4 * 4 * N / 2 + buckets,
+                 "activations": 123.0}
+    assert cm.fedavg_shard_copies(full) == 4
+    assert cm.fedavg_shard_copies(Plan("fl-fsdp", 2, codec="int8", error_feedback=True)) == 2
+    assert cm.fedavg_shard_copies(Plan("fl-fsdp", 2)) == 0  # in place, bucket by bucket
+    assert predict(cluster(), wl, Plan("fl-fsdp", 2)).memory_bytes["fedavg"] == buckets
+    assert predict(cluster(), wl, Plan("fsdp")).memory_bytes["fedavg"] == 0
+
+
+def test_the_paper_preset_recommends_a_plan_that_fits(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert cm.main(["--preset", "llama3.1-8b-leonardo", "--recommend", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())["recommendation"]
+    assert sum(rec["best"]["memory_bytes"].values()) <= 64e9
+    assert "plans need more than 64 GB per rank" in rec["left_out"]
+    assert "mem/rank" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- bad input ----
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: Plan("zero"), "strategy must be one of fsdp, hsdp, fl-fsdp, fl-hsdp, got 'zero'"),
+    (lambda: Plan("fl-fsdp", group_size=2, codec="int4"), "codec must be one of .* got 'int4'"),
+    (lambda: Plan("fl-fsdp", group_size=2, sync_every=0), "sync_every must be an integer >= 1, got 0"),
+    (lambda: predict(cluster(), workload(), Plan("fl-fsdp", group_size=4)), "at least two federation groups"),
+    (lambda: predict(cluster(nodes=3), workload(), Plan("fl-fsdp", group_size=4)), "does not divide world_size 6"),
+    (lambda: predict(cluster(), workload(), Plan("hsdp", shard_size=4)), "at least two replicas per group"),
+    (lambda: predict(cluster(), workload(), Plan("fsdp", group_size=2)), "one group of all 4 ranks"),
+    (lambda: Link(0.0), "bandwidth must be a finite number > 0, got 0.0"),
+    (lambda: Link(1.0, -1.0), "latency must be a finite number >= 0"),
+    (lambda: Cluster(0, 2, Link(1.0), Link(1.0)), "nodes must be an integer >= 1, got 0"),
+    (lambda: workload(params=-1), "params must be a finite number > 0, got -1"),
+    (lambda: workload(fsdp_overlap=1.5), r"fsdp_overlap must be a finite number in \[0, 1\], got 1.5"),
+    (lambda: codec_nbytes("int8", -3), "numel must be an integer >= 0, got -3"),
+    (lambda: cm.collective_time("broadcast", 1, 2, cluster()), "kind must be one of .* got 'broadcast'"),
+    (lambda: cm.crossover_bandwidth_ratio(cluster(), workload(), Plan("fl-fsdp", group_size=2), lo=1, hi=0.5),
+     "need 0 < lo < hi"),
+    (lambda: cm.compute_time_from_flops(1e9, 1e3, 1e12, 0.0), r"mfu must be a finite number in \(0, 1\], got 0.0"),
+])
+def test_bad_input_is_refused_with_a_clear_message(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+# ---------------------------------------------------------------- CLI ----
+
+def test_cli_preset_table_crossover_recommend_and_json(tmp_path, capsys):
+    out = tmp_path / "pred.json"
+    rc = cm.main(["--preset", "llama3.1-8b-leonardo", "--codec", "int8", "--crossover", "--recommend",
+                  "--memory-gb", "64", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    for s in ("fsdp", "hsdp S=4", "fl-fsdp G=4 E=8 int8", "fl-hsdp G=8 E=8 int8 S=4", "recommended:"):
+        assert s in text
+    rec = json.loads(out.read_text())
+    assert {p["plan"]["strategy"] for p in rec["predictions"]} == {"fsdp", "hsdp", "fl-fsdp", "fl-hsdp"}
+    assert len(rec["crossover"]) == 2 and "recommendation" in rec
+
+
+def test_cli_missing_arguments_exit_2(capsys):
+    assert cm.main(["--params", "1e9", "--tokens-per-rank", "10", "--compute-s", "1"]) == 2
+    assert "need --nodes, --ranks-per-node, --intra-gbit, --inter-gbit" in capsys.readouterr().err
+
+
+def test_cli_measure_without_a_job_says_how_to_launch(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert cm.main(["--measure"]) == 2
+    assert "torchrun" in capsys.readouterr().err
+
+
+def test_cli_explicit_flag_beats_preset_even_at_parser_default(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert cm.main(["--preset", "llama3.1-8b-leonardo", "--fsdp-overlap", "0", "--json", str(out)]) == 0
+    pr = cm.PRESETS["llama3.1-8b-leonardo"]
+    c = Cluster(pr["nodes"], pr["ranks_per_node"], Link.gbit(pr["intra_gbit"], pr["intra_lat_us"]),
+                Link.gbit(pr["inter_gbit"], pr["inter_lat_us"]))
+    wl = Workload(pr["params"], pr["tokens_per_rank"],
+                  cm.compute_time_from_flops(pr["params"], pr["tokens_per_rank"], pr["tflops"] * 1e12, pr["mfu"]),
+                  fsdp_units=pr["fsdp_units"], fsdp_overlap=0.0)
+    fsdp = json.loads(out.read_text())["predictions"][0]
+    assert fsdp["plan"]["strategy"] == "fsdp"
+    assert fsdp["step_time_s"] == pytest.approx(predict(c, wl, Plan("fsdp")).step_time_s, rel=1e-12)

@@ -1,0 +1,158 @@
+"""The import rules of ``flcomm/__init__.py``'s docstring, checked by parsing every module.
+
+Every import counts (module level, inside functions, under ``TYPE_CHECKING``): a lazy or a
+type-only import of a higher layer is still a dependency on it.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PKG = ROOT / "flcomm"
+
+# layer -> the flcomm layers it may import (besides itself)
+ALLOWED: dict[str, set[str]] = {
+    "enums": set(),
+    "_lazy": set(),
+    "validate": set(),  # the numeric checks every layer shares (flcomm.validate)
+    "_native": {"enums"},
+    "info": {"_native", "enums", "__init__"},
+    "comm": {"_native", "info", "enums"},
+    "kernels": {"_native", "enums"},
+    "codecs": {"kernels", "_native", "enums"},
+    "collectives": {"comm", "codecs", "kernels", "_native", "enums", "info"},
+    "fsdp": {"collectives", "comm", "codecs", "kernels", "_native", "enums", "info"},
+    "federated": {"collectives", "comm", "codecs", "kernels", "_native", "enums", "info"},
+    "costmodel": {"federated", "comm", "codecs", "kernels", "_native", "enums", "info"},
+    "__main__": {"info", "_native", "enums"},
+    "__init__": {"info", "_native", "enums"},
+    "train": None,  # everything
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    if not path.is_relative_to(ROOT):
+        return path.stem
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _is_module(name: str) -> bool:
+    rel = pathlib.Path(*name.split("."))
+    return (ROOT / rel).with_suffix(".py").exists() or (ROOT / rel / "__init__.py").exists()
+
+
+def imports_of(path: pathlib.Path, top_level_only: bool = False) -> set[str]:
+    """Every module ``path`` imports (``from a import b`` counts as ``a.b`` when that is a
+    module). ``top_level_only``: only what runs at import time (no function bodies, no
+    ``if TYPE_CHECKING:`` blocks)."""
+    tree = ast.parse(path.read_text(), str(path))
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if top_level_only and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if top_level_only and isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                found.update(a.name for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    up = package.split(".")
+                    up = up[: len(up) - (child.level - 1)]
+                    base = ".".join([*up, base] if base else up)
+                for a in child.names:  # `from a import b`: module a.b, or name b of module a
+                    found.add(f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base)
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "__init__"
+    return parts[1]
+
+
+def _sources() -> list[pathlib.Path]:
+    return sorted(PKG.rglob("*.py"))
+
+
+def test_every_module_has_a_layer():
+    missing = {_layer(_module_name(p)) for p in _sources()} - set(ALLOWED)
+    assert not missing, f"modules in layers the rules do not name: {missing}"
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_go_down(path: pathlib.Path):
+    me = _module_name(path)
+    layer = _layer(me)
+    allowed = ALLOWED[layer]
+    if allowed is None:
+        return
+    allowed = allowed | {"enums", "_lazy", "validate"}
+    bad = []
+    for imp in sorted(imports_of(path)):
+        if imp != "flcomm" and not imp.startswith("flcomm."):
+            continue
+        other = _layer(imp)
+        if other != layer and other not in allowed:
+            bad.append(imp)
+    assert not bad, f"{me} (layer {layer!r}) imports {bad}; {layer!r} may import only {sorted(allowed)}"
+
+
+def _import_time_closure(module: str) -> set[str]:
+    """Every module (flcomm's and third-party) imported when ``module`` is first imported,
+    following flcomm's own modules and the packages around them."""
+    seen: set[str] = set()
+    out: set[str] = set()
+    todo = [module]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        parts = m.split(".")
+        for i in range(1, len(parts)):  # importing a.b.c runs a/__init__ and a/b/__init__
+            todo.append(".".join(parts[:i]))
+        rel = pathlib.Path(*parts)
+        path = (ROOT / rel).with_suffix(".py")
+        if not path.exists():
+            path = ROOT / rel / "__init__.py"
+        for imp in imports_of(path, top_level_only=True):
+            out.add(imp)
+            if imp == "flcomm" or imp.startswith("flcomm."):
+                todo.append(imp)
+    return out
+
+
+@pytest.mark.parametrize("module", ["flcomm.costmodel.model", "flcomm.costmodel.search"])
+def test_cost_model_is_pure(module: str):
+    direct = {i for i in imports_of(ROOT / pathlib.Path(*module.split(".")).with_suffix(".py"))}
+    closure = _import_time_closure(module)
+    for imports, how in ((direct, "imports"), (closure, "imports at import time (through flcomm modules)")):
+        bad = sorted(i for i in imports if i == "torch.distributed" or i.startswith("torch.distributed."))
+        assert not bad, f"{module} {how} {bad}: the analytic cost model must not touch torch.distributed"
+
+
+def test_the_rules_can_fail(tmp_path: pathlib.Path):
+    """The parser sees lazy and type-only imports (so a violation cannot hide in them)."""
+    src = tmp_path / "m.py"
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from flcomm.federated import topology\n"
+                   "def f():\n    import flcomm.train.loop\n")
+    got = imports_of(src)
+    assert {"flcomm.federated.topology", "flcomm.train.loop"} <= got
+    assert imports_of(src, top_level_only=True) == {"typing"}

@@ -1,0 +1,36 @@
+"""The two-hop design in a single process: the error of an int8 average through the two hops stays
+within its bound and flat in the world size, where re-quantizing along a ring grows with it."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.common.two_hop import BLOCK, rank_input, round_trip, simulate_two_hop, two_hop_bound
+
+
+def simulate_ring(xs: list[torch.Tensor], name: str) -> torch.Tensor:
+    """A ring reduce that re-quantizes the partial sum at every hop (what the two-hop design
+    avoids): returns the average."""
+    partial = xs[0].clone()
+    for x in xs[1:]:
+        partial = round_trip(partial, name, BLOCK) + x
+    partial = round_trip(partial, name, BLOCK)
+    return partial / len(xs)
+
+
+def test_error_does_not_grow_with_world_size():
+    """AVG of W i.i.d. inputs through int8: the two-hop error stays within its bound and flat in
+    W, while re-quantizing along a ring grows with W (the simulation is the implementation's
+    bit-for-bit twin, see the grid tests of tests/dist/test_compressed.py)."""
+    n = 4096
+    two_hop, ring = {}, {}
+    for W in (2, 8, 32):
+        xs = [rank_input(r, 77, n, 1.0) for r in range(W)]
+        exact = sum(xs) / W
+        out, reduced, _ = simulate_two_hop(xs, "int8", "avg")
+        bound = two_hop_bound(xs, reduced, "int8", "avg")
+        assert bool(((out - exact).abs() <= bound).all()), W
+        two_hop[W] = float((out - exact).abs().mean())
+        ring[W] = float((simulate_ring(xs, "int8") - exact).abs().mean())
+    assert two_hop[32] <= 1.5 * two_hop[2], two_hop
+    assert ring[32] >= 2 * two_hop[32], (ring, two_hop)
