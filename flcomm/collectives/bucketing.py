@@ -505,7 +505,7 @@ class BucketedAllReduce:
                 slot.plans.clear()  # NOTE: one plan on the device (the last bucket may be smaller)
             slot.plans[key] = TwoHopPlan(self.transport, b.wire, self.codec, self.op, self.device)
         slot.plan = slot.plans[key]
-        slot.plan.first(flat, res)
+        slot.plan.encode_scatter(flat, res)
 
     def _stage_residual(self, slot: _Slot, b: _Bucket) -> Tensor | None:
         """The bucket's fp32 residual on the device: itself, or staged (offload: in the scratch,
@@ -532,7 +532,7 @@ class BucketedAllReduce:
         slot = self._slot(k)
         if slot.plan is not None:
             job.stage = f"bucket {k}/{len(self._buckets)}: reduce, re-encode, hop 2"
-            slot.plan.second()
+            slot.plan.reduce_gather()
             self._unstage_residual(slot, self._buckets[k])
 
     def _finish(self, job: Job, k: int, unpack: PackFn) -> None:
