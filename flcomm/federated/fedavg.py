@@ -78,7 +78,7 @@ import torch
 from torch import Tensor, nn
 
 from flcomm.codecs import Codec
-from flcomm.collectives.bucketing import arena, bucket_dtype, new_staging
+from flcomm.collectives.bucketing import StagingPool, arena, bucket_dtype
 from flcomm.comm.engine import Job, get_engine
 from flcomm.enums import Choice
 from flcomm.federated.exchange import (DeltaExchange, ExchangeResult, flat_views, replicate_transport,
@@ -381,7 +381,7 @@ class FedAvg:
         # NOTE: the partition uses the tensors' global sizes, so every rank cuts the same fragments
         parts = partition([s.numel for s in self.slots], self.fragments) if self.slots else [[]]
         # NOTE: the fragments' exchanges run one after another in the engine: one staging pool
-        self._staging = self._new_staging()
+        self._staging = StagingPool()
         self.replicate = replicate_transport(mesh, self.sharded_exchange)  # None: not sharded
         for f, part in enumerate(parts):
             # NOTE: empty shards (FSDP uneven sharding) are left out of the exchange; the fed
@@ -393,17 +393,13 @@ class FedAvg:
             self._build_exchanges()
         self._engine = get_engine(self.device, "exchange")
 
-    def _new_staging(self) -> list:
-        """The exchanges' staging pool; with offload and overlapping fragments (an apply while
-        another fragment's exchange is in flight) with an apply scratch (one bucket more on the
-        device), as the job in flight writes the pool's scratch meanwhile."""
-        overlapping = self.overlap and self.overlap_steps > self.sync_every // self.fragments
-        return new_staging(apply_scratch=self.offload is not None and overlapping)
-
     def _build_exchanges(self) -> None:
         """Each fragment's :class:`DeltaExchange` over the current fed transport (again after an
         elastic membership change: the residuals carry over when the layout did not change)."""
         locals_ = [s.local for s in self.slots]
+        # NOTE: overlapping fragments (an apply while another fragment's exchange is in flight,
+        # whose job writes the pool's scratch): the apply stages through a scratch of its own
+        overlapping = self.overlap and self.overlap_steps > self.sync_every // self.fragments
         self._fed_rank_index = torch.tensor(self.fed_ranks, dtype=torch.long, device=self.device)
         for fr in self._frags:
             x = fr.xidx
@@ -414,7 +410,8 @@ class FedAvg:
                 anchors=None if self.in_place else [self._anchor[i] for i in x],
                 own=None if self._own is None else [self._own[i] for i in x], outer=self._outer,
                 momentum_index=[self._mom[i] for i in x], offload=self.offload is not None,
-                residual_dtype=self.residual_dtype, staging=self._staging, replicate=self.replicate) if x else None
+                residual_dtype=self.residual_dtype, staging=self._staging, replicate=self.replicate,
+                apply_scratch=overlapping) if x else None
             fr.flags = torch.zeros(len(self.fed_ranks), dtype=torch.int32, device=self.device)
             if old is not None and fr.exchange is not None:
                 try:
@@ -767,7 +764,7 @@ class FedAvg:
         # NOTE: a job of the old generation may still wait in a dead collective (until its
         # timeout) and hold its lane and staging buffers: the new generation gets its own
         self._engine = get_engine(self.device, f"exchange-gen{self.federation.generation}")
-        self._staging = self._new_staging()
+        self._staging = StagingPool()
         self._build_exchanges()
 
     def _sync_state(self) -> list[Tensor]:
