@@ -60,8 +60,7 @@ if TYPE_CHECKING:
     from flcomm.federated.outer import OuterOptimizer
     from flcomm.federated.topology import FedMesh
 
-__all__ = ["DeltaExchange", "ExchangeResult", "SlicedAllReduce", "flat_views", "replicate_transport",
-           "resolve_codec"]
+__all__ = ["DeltaExchange", "ExchangeResult", "SlicedAllReduce", "replicate_transport", "resolve_codec"]
 
 
 def resolve_codec(codec: str | Codec) -> Codec:
@@ -308,6 +307,14 @@ class DeltaExchange:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         return self.bar.staging.buffer("apply scratch", nbytes, self.bar.device)[:nbytes].view(dtype)
 
+    def mutated(self, locals_: list[Tensor]) -> list[Tensor]:
+        """What :meth:`run` with ``locals_`` (and :meth:`own_delta`) writes: the local shards
+        (unless overlapping), anchors, own deltas, outer momentum and residuals."""
+        ts = list(locals_) if self.own is None else []
+        ts += [*(self.anchors or []), *(self.own or [])]
+        ts += [self.outer.buffers[m] for m in self.momentum_index if m is not None]
+        return ts + [r for r in self.bar.residuals() if r is not None]
+
     # ---- state ----
     def state_dict(self) -> dict:
         return self.bar.state_dict()
@@ -328,16 +335,3 @@ class DeltaExchange:
                 r.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
                 found = True
         return found
-
-
-def flat_views(flat: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
-    """Views of consecutive pieces of ``flat`` with the given shapes."""
-    out, off = [], 0
-    for s in shapes:
-        n = 1
-        for d in s:
-            n *= d
-        out.append(flat[off:off + n].view(s))
-        off += n
-    return out
-

@@ -36,7 +36,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from flcomm.comm.base import LinkTier
-from flcomm.federated.fedavg import FedAvg, InnerState
+from flcomm.federated.fedavg import FedAvg
+from flcomm.federated.inner import InnerState
 from flcomm.federated.outer import Outer
 from flcomm.federated.strategy import Strategy
 from flcomm.federated.topology import Topology
