@@ -169,9 +169,9 @@ class DeltaExchange:
         if not in_place and anchors is None:
             raise ValueError("the delta modes need the anchors")
         self.bar = SlicedAllReduce(transport, tensors, codec=codec, bucket_mb=bucket_mb,
-                                     error_feedback=error_feedback, op="avg", keep_dtype=in_place,
-                                     offload=self.offload, residual_dtype=residual_dtype, staging=staging,
-                                     replicate=replicate)
+                                   error_feedback=error_feedback, op="avg", keep_dtype=in_place,
+                                   offload=self.offload, residual_dtype=residual_dtype, staging=staging,
+                                   replicate=replicate)
 
     @property
     def work_dtypes(self) -> list[torch.dtype]:
