@@ -24,9 +24,10 @@ the device holds at most two buckets (``2 * bucket_mb``) of exchange buffers, al
 4. buckets are cut to the largest size for which 2 + 3 fit in ``2 * bucket_mb``: codec none
    keeps about ``bucket_mb`` (less the padding), int8 on 2 ranks 57% of it. The wire then
    carries smaller messages, one at a time: ``bench/memory.py`` reports what that costs.
-5. a staging pool made with ``new_staging(apply_scratch=True)`` has one more scratch bucket, for
-   a caller that stages host pieces from its own thread while another exchange of the pool may
-   be in flight (FedAvg's apply step with overlapping fragments): up to one more bucket.
+
+A :class:`StagingPool` may also hold named buffers of its users (:meth:`StagingPool.buffer`),
+and a subclass may stage through buffers of a bucket's slot (:meth:`BucketedAllReduce.slot_buffer`);
+:meth:`~BucketedAllReduce.memory_bytes` counts them all.
 
 Pipeline of one exchange (one engine job; ``start()`` returns its :class:`~flcomm.comm.engine.Job`)::
 
@@ -41,10 +42,10 @@ Bucket k is on the wire while bucket k+1 is packed and compressed and bucket k-1
 Sharded across replicas (``replicate``, R ranks holding the same tensors, FL+HSDP): each bucket is
 padded to R equal slices (each a multiple of ``world * align``); replica r packs and reduces only
 slice r over ``transport`` (its error-feedback residual is the slice's), and the finish step
-all-gathers the R reduced slices over ``replicate`` before the unpack sees the whole bucket. The
-reducing transport then carries 1/R of the bytes; the all-gather adds (R-1)/R of the bucket, in
-the codec's encoding when the reduction was lossy (the replicas gather what hop 2 gathered and
-decode it themselves, bit for bit what its owner decoded), in the bucket's dtype otherwise.
+all-gathers the R reduced slices over ``replicate`` before the unpack sees the whole bucket
+(:meth:`~BucketedAllReduce.gather_slices`, in the bucket's dtype; a subclass may gather another
+encoding). The reducing transport then carries 1/R of the bytes; the all-gather adds (R-1)/R of
+the bucket.
 ``pack(segments, flat)`` / ``unpack(segments, flat)`` may replace the default copies (FedAvg
 computes its deltas and applies its outer update there, bucket by bucket).
 
@@ -67,7 +68,7 @@ from flcomm.collectives.compressed import TwoHopPlan, chunk_numel, lossless_all_
 from flcomm.comm.base import ReduceOp, Transport, Work
 from flcomm.comm.engine import Job, ProgressEngine, get_engine
 
-__all__ = ["BucketedAllReduce", "Segment", "arena", "new_staging"]
+__all__ = ["BucketedAllReduce", "Segment", "StagingPool", "arena"]
 
 PackFn = Callable[[list["Segment"], Tensor], None]
 
@@ -95,17 +96,22 @@ class _Bucket:
 
 
 class _Slot:
-    """A staging buffer (and its two-hop plans, by bucket size) reused by every other bucket."""
+    """A staging buffer (and its two-hop plans, by bucket size) reused by every other bucket.
+
+    Its byte buffers, by name (:func:`_grow`): ``flat`` (the bucket), ``residual`` (bf16
+    residuals: the bucket's, staged in fp32), ``scratch`` (offload: host pieces and the residual,
+    staged) and those of subclasses (:meth:`BucketedAllReduce.slot_buffer`)."""
 
     def __init__(self) -> None:
-        self.flat: Tensor | None = None
+        self.bufs: dict[str, Tensor] = {}
         self.plans: dict[tuple[int, torch.dtype], TwoHopPlan] = {}
         self.work: Work | None = None
         self.plan: TwoHopPlan | None = None
-        self.residual: Tensor | None = None  # bf16 residuals: the bucket's, staged in fp32
-        self.scratch: Tensor | None = None  # offload: host pieces and the residual, staged
-        self.gather: Tensor | None = None  # sharded, lossy codec: the replicas' encoded slices
         self.staged: Tensor | None = None  # the residual's device view while the bucket is exchanged
+
+    def nbytes(self) -> int:
+        bufs = sum(t.numel() * t.element_size() for t in self.bufs.values())
+        return bufs + sum(p.nbytes() for p in self.plans.values())
 
 
 def _clip(segs: list[Segment], lo: int, n: int) -> list[Segment]:
@@ -118,12 +124,33 @@ def _clip(segs: list[Segment], lo: int, n: int) -> list[Segment]:
     return out
 
 
-def new_staging(apply_scratch: bool = False) -> list[_Slot]:
-    """Two staging slots (buffers grow on first use), shareable between all-reduces whose
-    exchanges run one after another. ``apply_scratch``: a third slot, whose scratch
-    (:meth:`BucketedAllReduce.scratch` with ``apply=True``) no exchange uses, so the caller's
-    thread may stage through it while an exchange of the pool is in flight."""
-    return [_Slot() for _ in range(3 if apply_scratch else 2)]
+def _grow(bufs: dict[str, Tensor], name: str, nbytes: int, device: torch.device) -> Tensor:
+    """The byte buffer ``bufs[name]`` on ``device``, grown to at least ``nbytes``."""
+    buf = bufs.get(name)
+    if buf is None or buf.numel() < nbytes:
+        buf = None
+        bufs.pop(name, None)  # NOTE: free the old one first (the device may hold no more)
+        buf = bufs[name] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    return buf
+
+
+class StagingPool:
+    """Staging buffers shareable between all-reduces whose exchanges run one after another (the
+    same engine lane): two slots (buffers grow on first use) and the named buffers the pool's
+    users add (:meth:`buffer`)."""
+
+    def __init__(self) -> None:
+        self.slots = [_Slot(), _Slot()]
+        self.bufs: dict[str, Tensor] = {}
+
+    def buffer(self, name: str, nbytes: int, device: torch.device) -> Tensor:
+        """The pool's byte buffer ``name`` (no exchange of the pool uses it), grown to at least
+        ``nbytes``."""
+        return _grow(self.bufs, name, nbytes, device)
+
+    def nbytes(self) -> int:
+        """Bytes of every buffer and two-hop plan of the pool."""
+        return sum(s.nbytes() for s in self.slots) + sum(t.numel() * t.element_size() for t in self.bufs.values())
 
 
 def arena(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device | str,
@@ -196,8 +223,8 @@ class BucketedAllReduce:
             through :meth:`scratch`.
         residual_dtype: dtype the residuals are kept in (fp32, or bf16 to halve them; staged in
             fp32 while a bucket is exchanged).
-        staging: staging slots (:func:`new_staging`) to share with other all-reduces whose
-            exchanges never overlap (the same engine lane runs them one after another).
+        staging: a :class:`StagingPool` to share with other all-reduces whose exchanges never
+            overlap (the same engine lane runs them one after another).
         replicate: ranks holding identical tensors (HSDP or DDP replicas): each reduces one slice
             of every bucket and the slices are all-gathered over it (module docstring). It must be
             a group no one else issues on while an exchange is in flight.
@@ -207,7 +234,7 @@ class BucketedAllReduce:
                  bucket_mb: float = 25.0, error_feedback: bool = False, op: Any = "avg",
                  keep_dtype: bool = False, engine: ProgressEngine | None = None,
                  offload: bool = False, residual_dtype: torch.dtype = torch.float32,
-                 staging: list[_Slot] | None = None, replicate: Transport | None = None) -> None:
+                 staging: StagingPool | None = None, replicate: Transport | None = None) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a flcomm Transport, got {type(transport).__name__}")
         if replicate is not None and not isinstance(replicate, Transport):
@@ -242,7 +269,8 @@ class BucketedAllReduce:
         self._check_precision()
         self._tensors = tensors
         self._buckets = self._layout([t.numel() for t in tensors])
-        self._slots = staging if staging is not None else new_staging()
+        self.staging = staging if staging is not None else StagingPool()
+        self._slots = self.staging.slots
         self._inflight: Job | None = None
         self.engine = engine if engine is not None else get_engine(self.device, "exchange")
 
@@ -351,17 +379,12 @@ class BucketedAllReduce:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held: ``staging`` (on the device: the slots' buffers, the offload scratch, staged
-        residuals and two-hop plans; the staging pool's, shared with the all-reduces that share
-        it), ``residual`` (the error-feedback residuals, in host memory with offload), and
-        ``transient``: the largest temporary an exchange allocates on the device besides those
-        (hop 2's error with error feedback and a lossy codec: one chunk of fp32)."""
-        staging = 0
-        for s in self._slots:
-            for t in (s.flat, s.residual, s.scratch, s.gather):
-                if t is not None:
-                    staging += t.numel() * t.element_size()
-            for p in s.plans.values():
-                staging += p.nbytes()
+        residuals and two-hop plans, and the pool's named buffers; the staging pool's, shared
+        with the all-reduces that share it), ``residual`` (the error-feedback residuals, in host
+        memory with offload), and ``transient``: the largest temporary an exchange allocates on
+        the device besides those (hop 2's error with error feedback and a lossy codec: one chunk
+        of fp32)."""
+        staging = self.staging.nbytes()
         res = sum(b.residual.numel() * b.residual.element_size() for b in self._buckets if b.residual is not None)
         lossy = not self.codec.lossless and self.transport.size > 1
         transient = max((4 * b.wire // self.transport.size for b in self._buckets), default=0)
@@ -449,27 +472,24 @@ class BucketedAllReduce:
     def _slot(self, k: int) -> _Slot:
         return self._slots[0 if self.offload else k % 2]
 
-    def scratch(self, numel: int, dtype: torch.dtype, apply: bool = False) -> Tensor:
+    def scratch(self, numel: int, dtype: torch.dtype) -> Tensor:
         """Offload: a device buffer of ``numel`` elements of ``dtype`` (at most a bucket's), for
         staging host pieces at their segments' offsets. It is free outside a bucket's pack and
         unpack (the pipeline is single-buffered and the bucket's residual is back home by then)
         and once the exchange's job was waited, unless another exchange of the staging pool is
-        in flight. ``apply``: the pool's apply scratch (``new_staging(apply_scratch=True)``),
-        which no exchange uses (the pool's own scratch without one)."""
+        in flight."""
         if not self.offload:
             raise RuntimeError("scratch() is for offloaded exchanges (offload=True)")
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        slot = self._slots[2] if apply and len(self._slots) > 2 else self._slots[0]
-        return self._grow(slot, "scratch", nbytes)[:nbytes].view(dtype)
+        return self._grow(self._slots[0], "scratch", nbytes)[:nbytes].view(dtype)
 
-    def _grow(self, slot: _Slot, attr: str, nbytes: int) -> Tensor:
-        """The slot's byte buffer ``attr``, grown to at least ``nbytes``."""
-        buf = getattr(slot, attr)
-        if buf is None or buf.numel() < nbytes:
-            setattr(slot, attr, None)  # NOTE: free the old one first (the device may hold no more)
-            buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-            setattr(slot, attr, buf)
-        return buf
+    def slot_buffer(self, k: int, name: str, nbytes: int) -> Tensor:
+        """A byte buffer ``name`` of bucket ``k``'s staging slot, grown to at least ``nbytes``,
+        for a subclass's :meth:`gather_slices`; the next bucket of that slot may reuse it."""
+        return self._grow(self._slot(k), name, nbytes)
+
+    def _grow(self, slot: _Slot, name: str, nbytes: int) -> Tensor:
+        return _grow(slot.bufs, name, nbytes, self.device)
 
     def _slot_flat(self, slot: _Slot, b: _Bucket) -> Tensor:
         nbytes = b.padded * torch.empty((), dtype=b.dtype).element_size()
@@ -505,7 +525,7 @@ class BucketedAllReduce:
                 slot.plans.clear()  # NOTE: one plan on the device (the last bucket may be smaller)
             slot.plans[key] = TwoHopPlan(self.transport, b.wire, self.codec, self.op, self.device)
         slot.plan = slot.plans[key]
-        slot.plan.first(flat, res)
+        slot.plan.encode_scatter(flat, res)
 
     def _stage_residual(self, slot: _Slot, b: _Bucket) -> Tensor | None:
         """The bucket's fp32 residual on the device: itself, or staged (offload: in the scratch,
@@ -532,13 +552,13 @@ class BucketedAllReduce:
         slot = self._slot(k)
         if slot.plan is not None:
             job.stage = f"bucket {k}/{len(self._buckets)}: reduce, re-encode, hop 2"
-            slot.plan.second()
+            slot.plan.reduce_gather()
             self._unstage_residual(slot, self._buckets[k])
 
     def _finish(self, job: Job, k: int, unpack: PackFn) -> None:
         b, slot = self._buckets[k], self._slot(k)
         job.stage = f"bucket {k}/{len(self._buckets)}: wait, decode, unpack"
-        flat = slot.flat[: b.padded * torch.empty((), dtype=b.dtype).element_size()].view(b.dtype)
+        flat = slot.bufs["flat"][: b.padded * torch.empty((), dtype=b.dtype).element_size()].view(b.dtype)
         try:
             if slot.plan is not None:
                 slot.plan.finish()
@@ -546,11 +566,7 @@ class BucketedAllReduce:
                 slot.work.wait()
             if b.mine is not None:
                 job.stage = f"bucket {k}/{len(self._buckets)}: all-gather of the {self.replicas} replicas' slices"
-                if slot.plan is not None:
-                    self._gather_encoded(slot, b, flat)
-                else:
-                    # NOTE: in place (the input is this rank's slice of the output), as FSDP gathers
-                    self.replicate.all_gather(flat, self._mine(flat, b))
+                self.gather_slices(k, flat, slot.plan)
         except BaseException:
             for s in self._slots:
                 if s.plan is not None:
@@ -560,18 +576,13 @@ class BucketedAllReduce:
         slot.work = None
         unpack(b.segments, flat[: b.numel])
 
-    def _gather_encoded(self, slot: _Slot, b: _Bucket, flat: Tensor) -> None:
-        """Sharded with a lossy codec: the replicas all-gather their slices' averages in the
-        codec's encoding (what hop 2 gathered, a quarter of fp32 with int8) and decode the
-        others' (:meth:`TwoHopPlan.decode`: bit for bit what their owners decoded)."""
-        plan = slot.plan
-        assert plan is not None and self.replicate is not None
-        n = plan.world * plan.enc
-        buf = self._grow(slot, "gather", self.replicas * n)[: self.replicas * n]
-        self.replicate.all_gather(buf, plan.gathered[:n])
-        for q in range(self.replicas):
-            if q != self.replicate.rank:
-                plan.decode(buf[q * n: (q + 1) * n], flat[q * b.wire: (q + 1) * b.wire])
+    def gather_slices(self, k: int, flat: Tensor, plan: TwoHopPlan | None) -> None:
+        """Sharded: all-gather the replicas' reduced slices of bucket ``k`` over ``replicate``
+        into ``flat`` (the padded bucket, R equal slices; this rank's holds its result), in the
+        bucket's dtype. A subclass may gather another encoding; ``plan`` is the two-hop plan that
+        reduced this rank's slice (its hop 2 gathered the codec's encoding), None when lossless."""
+        # NOTE: in place (the input is this rank's slice of the output), as FSDP gathers
+        self.replicate.all_gather(flat, self._mine(flat, self._buckets[k]))
 
     # ---- error-feedback state ----
     def residuals(self) -> list[Tensor | None]:

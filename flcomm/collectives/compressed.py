@@ -70,7 +70,8 @@ class TwoHopPlan:
     """The buffers and stages of one two-hop all-reduce of ``numel`` fp32 elements.
 
     A plan is reusable (buckets keep one each, so their buffers persist) but runs one exchange
-    at a time: ``first(flat, residual)``, then ``second()``, then ``third()``.
+    at a time, in three stages: :meth:`encode_scatter` (steps 1-2 of the module docstring),
+    :meth:`reduce_gather` (steps 3-5), :meth:`decode_result` (step 6).
     """
 
     def __init__(self, transport: Transport, numel: int, codec: Codec, op: ReduceOp,
@@ -99,15 +100,15 @@ class TwoHopPlan:
 
     @property
     def stage(self) -> str:
-        """``"idle"``, ``"first"`` (all-to-all in flight) or ``"second"`` (all-gather in flight)."""
+        """``"idle"``, ``"all_to_all"`` (hop 1 in flight) or ``"all_gather"`` (hop 2 in flight)."""
         return self._state
 
     def finish(self, timeout: timedelta | float | None = None) -> None:
-        """Run the stages still to run (``second()`` if needed, then ``third()``)."""
-        if self._state == "first":
-            self.second(timeout)
-        if self._state == "second":
-            self.third(timeout)
+        """Run the stages still to run (:meth:`reduce_gather` if needed, then :meth:`decode_result`)."""
+        if self._state == "all_to_all":
+            self.reduce_gather(timeout)
+        if self._state == "all_gather":
+            self.decode_result(timeout)
 
     def _padded(self, attr: str, src: Tensor) -> Tensor:
         buf = getattr(self, attr)
@@ -124,7 +125,7 @@ class TwoHopPlan:
     def _chunk(self, flat: Tensor, j: int) -> Tensor:
         return flat[j * self.chunk: (j + 1) * self.chunk]
 
-    def first(self, flat: Tensor, residual: Tensor | None) -> None:
+    def encode_scatter(self, flat: Tensor, residual: Tensor | None) -> None:
         """Quantize every chunk (with error feedback when ``residual`` is given) and issue the
         all-to-all asynchronously."""
         if self._state != "idle":
@@ -143,13 +144,13 @@ class TwoHopPlan:
             else:
                 self.codec.encode_error_feedback(xj, self._chunk(self.work_r, j), out)
         self.a2a = self.transport.all_to_all(self.recv, self.send, async_op=True)
-        self._state = "first"
+        self._state = "all_to_all"
 
-    def second(self, timeout: timedelta | float | None = None) -> None:
+    def reduce_gather(self, timeout: timedelta | float | None = None) -> None:
         """Wait for the all-to-all, reduce the own chunk in fp32, re-quantize it and issue the
         all-gather asynchronously."""
-        if self._state != "first":
-            raise RuntimeError(f"second() needs first() to have run, state is {self._state}")
+        if self._state != "all_to_all":
+            raise RuntimeError(f"reduce_gather() needs encode_scatter() to have run, state is {self._state}")
         self.a2a.wait(timeout)
         acc, c = self.acc, self.chunk
         acc.zero_()
@@ -169,12 +170,12 @@ class TwoHopPlan:
                 err.mul_(self.world)
             self._chunk(self.work_r, self.rank).add_(err)
         self.ag = self.transport.all_gather(self.gathered, mine, async_op=True)
-        self._state = "second"
+        self._state = "all_gather"
 
-    def third(self, timeout: timedelta | float | None = None) -> None:
+    def decode_result(self, timeout: timedelta | float | None = None) -> None:
         """Wait for the all-gather and decode every chunk into the tensor."""
-        if self._state != "second":
-            raise RuntimeError(f"third() needs second() to have run, state is {self._state}")
+        if self._state != "all_gather":
+            raise RuntimeError(f"decode_result() needs reduce_gather() to have run, state is {self._state}")
         self.ag.wait(timeout)
         for j in range(self.world):
             self.codec.decode(self._slot(self.gathered, j), self.chunk, self._chunk(self.work_x, j))
@@ -188,7 +189,7 @@ class TwoHopPlan:
     def decode(self, encoded: Tensor, out: Tensor) -> None:
         """Decode a result as hop 2's all-gather leaves it (``world`` encoded chunks, e.g. another
         replica's :attr:`gathered`) into ``out`` (``numel`` elements): bit for bit what that
-        plan's :meth:`third` wrote."""
+        plan's :meth:`decode_result` wrote."""
         if self._state != "idle":
             raise RuntimeError(f"decode() needs an idle plan, state is {self._state}")
         if encoded.numel() != self.world * self.enc:
@@ -292,8 +293,8 @@ def compressed_all_reduce(transport: Transport, tensor: Tensor, codec: str | Cod
             return CompressedWork(None, tensor) if async_op else tensor
         return CompressedWork(None, tensor, inner=w) if async_op else w.wait()
     plan = TwoHopPlan(transport, tensor.numel(), codec, rop, tensor.device)
-    plan.first(tensor.view(-1), None if residual is None else residual.view(-1))
+    plan.encode_scatter(tensor.view(-1), None if residual is None else residual.view(-1))
     work = CompressedWork(plan, tensor)
     if tensor.is_cuda:
-        plan.second()
+        plan.reduce_gather()
     return work if async_op else work.wait()

@@ -26,6 +26,12 @@ After an abort, the membership round (:meth:`Federation.reform`):
 5. the survivors build the new generation's process groups; the caller (FedAvg) restores the
    round's inputs and redoes it among them, so no partial average is ever applied.
 
+An algorithm runs its cross-group rounds through :meth:`Federation.run_round` (as torchft's
+``local_sgd.py`` asks its manager ``should_commit()``): it hands over the round's job and, as
+callbacks, how to redo the round, restore its inputs, rebind its collectives to the new
+generation's transport and hand its state to admitted groups; the protocol stays here, the
+algorithm in :mod:`flcomm.federated.fedavg`.
+
 Store keys live under ``flcomm/elastic/``: ``gen/<g>`` (the membership of generation g, JSON),
 ``g<g>/<round>/{ok,fail,outcome}``, ``g<g>/alive/<rank>``, ``rejoin/<group>/<rank>``,
 ``finished``.
@@ -35,11 +41,16 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch import Tensor
+
 from flcomm.comm.base import CommStats, LinkTier
+from flcomm.comm.engine import EngineError, Job
 from flcomm.comm.torch_pg import ProcessGroupTransport, abort_group, store_group
 
 if TYPE_CHECKING:
@@ -47,7 +58,7 @@ if TYPE_CHECKING:
 
     from flcomm.federated.topology import Topology
 
-__all__ = ["Federation", "GroupLostError", "Membership", "Outcome", "Poller", "TooFewGroupsError", "ROOT"]
+__all__ = ["Federation", "GroupLostError", "Membership", "Outcome", "Poller", "TooFewGroupsError", "ROOT", "snapshot"]
 
 ROOT = "flcomm/elastic/"
 _POLL_S = (0.001, 0.05)  # first and longest sleep between store polls
@@ -108,6 +119,19 @@ class Poller:
 
     def sleep(self) -> None:
         time.sleep(self.next())
+
+
+def snapshot(tensors: list[Tensor]) -> Callable[[], None]:
+    """Host copies of ``tensors`` as of now (a round's inputs); the returned ``restore()``
+    writes them back, before an aborted round is redone (:meth:`Federation.run_round`)."""
+    saved = [(t, t.detach().to("cpu", copy=True)) for t in tensors]
+
+    @torch.no_grad()
+    def restore() -> None:
+        for t, s in saved:
+            t.copy_(s)
+
+    return restore
 
 
 @dataclass
@@ -236,6 +260,53 @@ class Federation:
             if f not in self.groups and self.kv.check([f"rejoin/{f}/{r}" for r in self.topology.group_ranks(f)]):
                 out.append(f)
         return out
+
+    # ---------------------------------------------------------------- rounds of an algorithm
+    def run_round(self, name: str, job: Job, timeout_s: float, *, step: int, redo: Callable[[], Job],
+                  rebind: Callable[[], None], restore: Callable[[], None] | None = None,
+                  handover: Callable[[int], None] | None = None) -> Any:
+        """Wait for ``job`` (the collectives of round ``name``, at most ``timeout_s``) and agree
+        on it with every live rank (:meth:`commit`). After an abort: the membership round
+        (:meth:`reform` at step ``step``), ``restore()`` (the round's inputs, before the
+        collectives are rebuilt from them), ``rebind()`` (the algorithm's collectives over the
+        new :attr:`transport`), and ``redo()``'s job in its place, until a round commits.
+        ``handover``: the round may admit rejoining groups; after a commit that admitted some,
+        the next generation (:meth:`advance`), ``rebind()`` and ``handover(src)`` (the algorithm
+        broadcasts its state from fed index ``src``, :meth:`source_index`). Returns the job's
+        result (None when it was left behind)."""
+        while True:
+            out, ok = self._await_round(name, job, timeout_s)
+            outcome = self.commit(name, ok, admit=handover is not None)
+            if outcome.committed:
+                break
+            self.reform(step)
+            if restore is not None:
+                restore()
+            rebind()
+            job = redo()
+        if outcome.admit:
+            assert handover is not None
+            self.advance(outcome.admit, step)
+            rebind()
+            handover(self.source_index(outcome.admit))
+        return out
+
+    def _await_round(self, name: str, job: Job, timeout_s: float) -> tuple[Any, bool]:
+        """Wait for ``job`` (an agreed round's collectives); ``(result, True)`` once it succeeded,
+        ``(None, False)`` when it failed, timed out, or another rank decided round ``name``
+        first."""
+        # NOTE: a rank whose peer left a collective (after an error of its own) may wait in it
+        # until the timeout: once another rank decided the round, it stops waiting and leaves
+        # the job behind on the old generation's lane
+        deadline, poll = time.monotonic() + timeout_s, Poller()
+        while not job.host_done(poll.next()) and not self.decided(name) and time.monotonic() < deadline:
+            pass
+        if job.host_done():
+            try:
+                return job.wait(), True
+            except EngineError:
+                pass
+        return None, False
 
     # ---------------------------------------------------------------- membership changes
     def reform(self, step: int) -> Membership:

@@ -26,14 +26,19 @@ exchanges only slice r (1/R) of every bucket over the fed group, with the codec 
 feedback of that slice, and the averaged slices are all-gathered over a private replicate group
 (:func:`replicate_transport`) before the unpack; every replica then applies the same whole
 bucket. Inter-group bytes per rank drop by R; the all-gather adds (R-1)/R of the bucket inside
-the group.
+the group, in the codec's encoding when the reduction was lossy (:class:`SlicedAllReduce`: the
+replicas gather what hop 2 gathered and decode it themselves, bit for bit what its owner
+decoded), in the bucket's dtype otherwise.
 
 Offload: the anchors, own deltas, momentum and residuals may live in host memory (pinned on
 CUDA); each bucket's pieces are then staged, one at a time, through the one device scratch
 bucket of the offloaded pipeline (:meth:`BucketedAllReduce.scratch`, at the segment's offset;
 also on CPU, where host and device are one memory, so the same path runs in the tests). With
 the bucket's staging buffer and the codec's plan the device holds at most two buckets beyond
-the model (:mod:`flcomm.collectives.bucketing`).
+the model (:mod:`flcomm.collectives.bucketing`). The apply step (:meth:`DeltaExchange.add_own`)
+stages through that scratch too, or, with ``apply_scratch`` (an apply while another exchange of
+the staging pool may be in flight, whose job writes the pool's scratch: FedAvg's overlapping
+fragments), through a scratch bucket of its own in the pool (up to one more bucket).
 """
 
 from __future__ import annotations
@@ -46,15 +51,16 @@ import torch
 from torch import Tensor
 
 from flcomm.codecs import Codec, get_codec
-from flcomm.collectives.bucketing import BucketedAllReduce, Segment, bucket_dtype
+from flcomm.collectives.bucketing import BucketedAllReduce, Segment, StagingPool, bucket_dtype
 
 if TYPE_CHECKING:
+    from flcomm.collectives.compressed import TwoHopPlan
     from flcomm.comm.base import Transport
     from flcomm.comm.engine import Job
     from flcomm.federated.outer import OuterOptimizer
     from flcomm.federated.topology import FedMesh
 
-__all__ = ["DeltaExchange", "ExchangeResult", "flat_views", "replicate_transport", "resolve_codec"]
+__all__ = ["DeltaExchange", "ExchangeResult", "SlicedAllReduce", "replicate_transport", "resolve_codec"]
 
 
 def resolve_codec(codec: str | Codec) -> Codec:
@@ -106,6 +112,25 @@ class ExchangeResult:
         return [] if self.bad is None else self.bad.nonzero().flatten().tolist()
 
 
+class SlicedAllReduce(BucketedAllReduce):
+    """The exchange's bucketed all-reduce. Sharded with a lossy codec, the replicas all-gather
+    their slices' averages in the codec's encoding (what hop 2 gathered, a quarter of fp32 with
+    int8) and decode the others' (:meth:`TwoHopPlan.decode`: bit for bit what their owners
+    decoded)."""
+
+    def gather_slices(self, k: int, flat: Tensor, plan: TwoHopPlan | None) -> None:
+        if plan is None:
+            super().gather_slices(k, flat, plan)
+            return
+        assert self.replicate is not None
+        R, n = self.replicas, plan.world * plan.enc
+        buf = self.slot_buffer(k, "gather", R * n)[: R * n]
+        self.replicate.all_gather(buf, plan.gathered[:n])
+        for q, out in enumerate(flat.view(R, -1)):
+            if q != self.replicate.rank:
+                plan.decode(buf[q * n: (q + 1) * n], out)
+
+
 class DeltaExchange:
     """Averages a rank's shards over ``transport`` (module docstring).
 
@@ -125,25 +150,28 @@ class DeltaExchange:
         offload: the anchors, own deltas, momentum and residuals live in host memory and are
             staged through the device (module docstring); nothing to offload in place.
         residual_dtype, staging: of the :class:`BucketedAllReduce`.
+        apply_scratch: offload: :meth:`add_own` stages through a scratch bucket of its own in the
+            staging pool (module docstring), not through the exchange's scratch.
     """
 
     def __init__(self, transport: "Transport", tensors: list[Tensor], *, codec: Codec, bucket_mb: float,
                  error_feedback: bool, in_place: bool, anchors: list[Tensor] | None = None,
                  own: list[Tensor] | None = None, outer: "OuterOptimizer | None" = None,
                  momentum_index: list[int | None] | None = None, offload: bool = False,
-                 residual_dtype: torch.dtype = torch.float32, staging: list | None = None,
-                 replicate: "Transport | None" = None) -> None:
+                 residual_dtype: torch.dtype = torch.float32, staging: StagingPool | None = None,
+                 replicate: "Transport | None" = None, apply_scratch: bool = False) -> None:
         # NOTE: the in-place mode keeps nothing at full size: nothing to offload, so it keeps
         # the double-buffered pipeline
         self.codec, self.in_place, self.offload = codec, in_place, bool(offload) and not in_place
         self.anchors, self.own, self.outer = anchors, own, outer
         self.momentum_index = momentum_index or [None] * len(tensors)
+        self.apply_scratch = apply_scratch
         if not in_place and anchors is None:
             raise ValueError("the delta modes need the anchors")
-        self.bar = BucketedAllReduce(transport, tensors, codec=codec, bucket_mb=bucket_mb,
-                                     error_feedback=error_feedback, op="avg", keep_dtype=in_place,
-                                     offload=self.offload, residual_dtype=residual_dtype, staging=staging,
-                                     replicate=replicate)
+        self.bar = SlicedAllReduce(transport, tensors, codec=codec, bucket_mb=bucket_mb,
+                                   error_feedback=error_feedback, op="avg", keep_dtype=in_place,
+                                   offload=self.offload, residual_dtype=residual_dtype, staging=staging,
+                                   replicate=replicate)
 
     @property
     def work_dtypes(self) -> list[torch.dtype]:
@@ -254,16 +282,16 @@ class DeltaExchange:
         rounded to the local's dtype first), piece by piece along the buckets, so no full-size
         copy reaches the device; with offload each piece passes through the scratch (converted
         on the host). Call on the training loop's stream once the exchange's job was waited (that
-        stream is then ordered after the job). The pieces pass through the staging pool's apply
-        scratch when it has one (:func:`~flcomm.collectives.bucketing.new_staging`): needed when
-        another exchange of the pool may be in flight, whose job writes the pool's scratch."""
+        stream is then ordered after the job). With ``apply_scratch`` the pieces pass through a
+        scratch of their own in the staging pool: needed when another exchange of the pool may be
+        in flight, whose job writes the pool's scratch."""
         if self.own is None:
             raise RuntimeError("add_own() needs the own deltas (overlap)")
         for segs in self.bar.layout():
             for s in segs:
                 local, own = self._piece(locals_[s.index], s), self._piece(self.own[s.index], s)
                 if self.offload:
-                    buf = self.bar.scratch(s.bucket_offset + s.length, local.dtype, apply=True)
+                    buf = self._apply_scratch(s.bucket_offset + s.length, local.dtype)
                     if buf.is_cuda:
                         buf.record_stream(torch.cuda.current_stream(buf.device))  # NOTE: used off the engine's stream
                     dev = buf[s.bucket_offset:]
@@ -271,6 +299,21 @@ class DeltaExchange:
                     local.add_(dev)
                 else:
                     local.add_(own if own.dtype == local.dtype else own.to(local.dtype))
+
+    def _apply_scratch(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """Offload: the device buffer :meth:`add_own` stages through (module docstring)."""
+        if not self.apply_scratch:
+            return self.bar.scratch(numel, dtype)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        return self.bar.staging.buffer("apply scratch", nbytes, self.bar.device)[:nbytes].view(dtype)
+
+    def mutated(self, locals_: list[Tensor]) -> list[Tensor]:
+        """What :meth:`run` with ``locals_`` (and :meth:`own_delta`) writes: the local shards
+        (unless overlapping), anchors, own deltas, outer momentum and residuals."""
+        ts = list(locals_) if self.own is None else []
+        ts += [*(self.anchors or []), *(self.own or [])]
+        ts += [self.outer.buffers[m] for m in self.momentum_index if m is not None]
+        return ts + [r for r in self.bar.residuals() if r is not None]
 
     # ---- state ----
     def state_dict(self) -> dict:
@@ -292,16 +335,3 @@ class DeltaExchange:
                 r.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
                 found = True
         return found
-
-
-def flat_views(flat: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
-    """Views of consecutive pieces of ``flat`` with the given shapes."""
-    out, off = [], 0
-    for s in shapes:
-        n = 1
-        for d in s:
-            n *= d
-        out.append(flat[off:off + n].view(s))
-        off += n
-    return out
-

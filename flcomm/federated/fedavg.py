@@ -19,8 +19,8 @@ job of the progress engine (:mod:`flcomm.comm.engine`), bucket by bucket
 1. Flag whether this rank's shard is finite. With overlap, copy ``own = local`` (the local
    shard keeps training while the exchange runs; the job turns it into ``own = local - anchor``,
    off this thread: on the engine's stream, or offloaded on its thread).
-2. Inner optimizer state: ``keep`` (the paper), ``average`` (its floating tensors averaged over
-   the fed group, uncompressed, blocking) or ``reset`` (cleared, as if new).
+2. Inner optimizer state (:mod:`flcomm.federated.inner`): ``keep`` (the paper), ``average``
+   (averaged over the fed group, uncompressed, blocking) or ``reset`` (cleared, as if new).
 3. All-reduce the flags over the fed group; if any rank's shard is not finite, no rank of the
    fed group applies any bucket (the flags stay on the device: the buckets are exchanged and
    left unapplied, so the job reads nothing on the host).
@@ -33,8 +33,7 @@ job of the progress engine (:mod:`flcomm.comm.engine`), bucket by bucket
    The paper's mode (codec none, ``avg``, no overlap, no error feedback) averages the shards
    themselves, in place, in their own dtype: no anchor, no delta.
 5. Apply, on the caller's thread, reading the flags on the host once: without overlap at once;
-   with ``overlap=True``
-   ``overlap_steps`` (k) steps later (Streaming DiLoCo's tau), ``local += own``, i.e.::
+   with ``overlap=True`` ``overlap_steps`` (k) steps later (Streaming DiLoCo's tau), ``local += own``, i.e.::
 
        local += (new_anchor - old_anchor) - own_delta        # avg: mean(delta) - own_delta
 
@@ -43,17 +42,17 @@ job of the progress engine (:mod:`flcomm.comm.engine`), bucket by bucket
    is the sync-step average. ``k <= E``, so at most one exchange is in flight.
 
 Streaming fragments (``fragments=K``, K dividing E): the tensors are cut into K fragments of
-about equal size (:func:`partition`); fragment k runs steps 1-5 on its tensors at the steps with
-``(step - k E / K) % E == 0``, so each sync moves 1/K of the shard (Streaming DiLoCo).
+about equal size (:func:`~flcomm.federated.shards.partition`); fragment k runs steps 1-5 on its
+tensors at the steps with ``(step - k E / K) % E == 0``, so each sync moves 1/K of the shard
+(Streaming DiLoCo).
 With ``overlap_steps > E / K`` a fragment's apply meets another fragment's exchange in flight.
 
 Memory (:meth:`FedAvg.memory_stats`): the paper's mode keeps nothing but two staging buckets;
 the other modes keep the anchor, plus the residual (error feedback, fp32 or ``residual_dtype=
 "bf16"``), the own delta (overlap) and the momentum (nesterov), each kind one allocation
 (:func:`~flcomm.collectives.bucketing.arena`); ``offload="cpu"`` keeps these in host memory
-(page-locked on CUDA, exactly their bytes) and streams them through the buckets. Offload with
-overlapping fragments (``overlap_steps > E / K``) stages the apply step through one more
-scratch bucket on the device (its own, as the other fragment's job uses the exchange's).
+(page-locked on CUDA, exactly their bytes) and streams them through the buckets (with
+overlapping fragments the apply step through a scratch of its own: :mod:`flcomm.federated.exchange`).
 
 An average with NaN/Inf, or built from a non-finite delta (which a lossy codec may hide), is
 refused: at the apply, the bad ranks (and a bit for buckets whose average overflowed) are OR-ed
@@ -63,11 +62,15 @@ saw a non-finite delta leaves its weights and anchor unchanged; other fed groups
 applied theirs, so the error is fatal (restore a checkpoint). Only floating tensors are averaged
 (see :mod:`flcomm.federated.shards` for buffers). Precision is never cut: fp64 tensors travel in
 fp64 (codec none; a lossy codec refuses them).
+
+Around it: settings are checked in :mod:`flcomm.federated.config`, checkpoints live in
+:mod:`flcomm.federated.persist`; an elastic federation agrees on each round in the protocol,
+:meth:`Federation.run_round <flcomm.federated.elastic.Federation.run_round>`, with FedAvg's
+redo / restore / rebind / handover as callbacks.
 """
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,83 +80,22 @@ import torch
 from torch import Tensor, nn
 
 from flcomm.codecs import Codec
-from flcomm.collectives.bucketing import arena, bucket_dtype, new_staging
+from flcomm.collectives.bucketing import StagingPool, arena, bucket_dtype
 from flcomm.comm.engine import Job, get_engine
-from flcomm.enums import Choice
-from flcomm.federated.exchange import (DeltaExchange, ExchangeResult, flat_views, replicate_transport,
-                                       resolve_codec)
+from flcomm.federated.config import RESIDUAL_DTYPES, check_config, check_inputs, one_device
+from flcomm.federated.elastic import snapshot
+from flcomm.federated.exchange import DeltaExchange, ExchangeResult, replicate_transport, resolve_codec
+from flcomm.federated.exposure import ExposedTime, cuda_event
+from flcomm.federated.inner import InnerState, sync_inner_state
 from flcomm.federated.outer import Outer, OuterOptimizer
-from flcomm.federated.shards import collect_slots, fingerprint, is_dtensor
-from flcomm.validate import integer, number
+from flcomm.federated.persist import FedAvgCheckpoint
+from flcomm.federated.shards import broadcast, check_same_shards, collect_slots, partition
 
 if TYPE_CHECKING:
-    from flcomm.federated.elastic import Federation, Outcome
+    from flcomm.federated.elastic import Federation
     from flcomm.federated.topology import FedMesh
 
-STATE_VERSION = 1
 LATE_EXCHANGES = 3  # overlap: this many exchanges in a row still running when due make FedAvg warn
-
-
-_RESIDUAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _cuda_event(device: torch.device | None = None) -> Any:
-    """A timing event recorded now on the current CUDA stream of ``device``."""
-    ev = torch.cuda.Event(enable_timing=True)
-    ev.record(torch.cuda.current_stream(device))
-    return ev
-
-
-class ExposedTime:
-    """The accounting of :attr:`FedAvg.exposed_comm_s`, window by window (a sync's start, an
-    apply: what the training loop does for the exchange).
-
-    * CPU (``events=False``): the host seconds of each window (``clock``).
-    * CUDA (``events=True``): only the time the compute stream spent between two events recorded
-      at the window's ends (``new_event()``: an event recorded on the current stream). A host
-      wait for a late exchange shows there already (the stream runs dry while the host waits),
-      so the host time is not added: a late exchange is counted once. The caller keeps host
-      reads of device values out of the windows (they would drain the compute stream into it).
-
-    Events are read (synchronized) only by :attr:`seconds`.
-    """
-
-    def __init__(self, events: bool, clock: Callable[[], float] = time.perf_counter,
-                 new_event: Callable[[], Any] = _cuda_event) -> None:
-        self.events = events
-        self._clock, self._new_event = clock, new_event
-        self._s = 0.0
-        self._pending: list[tuple[Any, Any]] = []
-
-    def begin(self) -> tuple[float, Any]:
-        return self._clock(), self._new_event() if self.events else None
-
-    def end(self, token: tuple[float, Any]) -> None:
-        t0, ev0 = token
-        if ev0 is None:
-            self._s += self._clock() - t0
-        else:
-            self._pending.append((ev0, self._new_event()))
-
-    @property
-    def seconds(self) -> float:
-        for e0, e1 in self._pending:
-            e1.synchronize()
-            self._s += e0.elapsed_time(e1) / 1e3
-        self._pending.clear()
-        return self._s
-
-    def reset(self, value: float = 0.0) -> None:
-        self._pending.clear()
-        self._s = float(value)
-
-
-class InnerState(Choice, what="inner_state"):
-    """What happens to the inner (per-group) optimizer state at a sync."""
-
-    KEEP = "keep"
-    AVERAGE = "average"
-    RESET = "reset"
 
 
 class NonFiniteAverageError(FloatingPointError):
@@ -179,29 +121,10 @@ class _Fragment:
     job: Job | None = None
     apply_at: int = 0
     sync_step: int = 0
-    backup: list[tuple[Tensor, Tensor]] | None = None  # elastic: what the round mutates, as of its start
+    restore: Callable[[], None] | None = None  # elastic: puts back what the round mutates, as of its start
     applied: int = 0  # exchanges of this fragment applied in this process
     late: int = 0  # consecutive exchanges still running when they were due (overlap)
     own_ready: Any = None  # offload on CUDA: an event after the copies of the local shards into own
-
-
-def partition(numels: list[int], k: int) -> list[list[int]]:
-    """Contiguous runs of tensor indices, K of them, of about equal size: fragment j ends after
-    the first tensor at which the running total reaches (j+1)/K of the whole. ValueError when a
-    fragment would be empty (too few tensors, or one tensor larger than several fragments)."""
-    total = sum(numels)
-    bounds, cum, j = [0], 0, 1
-    for i, n in enumerate(numels):
-        cum += n
-        while j < k and cum * k >= j * total:
-            bounds.append(i + 1)
-            j += 1
-    bounds += [len(numels)] * (k + 1 - len(bounds))
-    parts = [list(range(bounds[f], bounds[f + 1])) for f in range(k)]
-    if any(not p for p in parts):
-        raise ValueError(f"cannot split {len(numels)} tensors (sizes {numels[:8]}{'...' if len(numels) > 8 else ''}) "
-                         f"into {k} fragments of about equal size: use fewer fragments")
-    return parts
 
 
 class FedAvg:
@@ -226,7 +149,7 @@ class FedAvg:
         residual_dtype: ``"fp32"`` or ``"bf16"`` (halves the error-feedback residuals; see the
             README for its effect on the int8 error).
         fragments: K, dividing ``sync_every``: the tensors are split into K fragments of about
-            equal size (:func:`partition`), and fragment k syncs at the steps with
+            equal size (:func:`~flcomm.federated.shards.partition`), and fragment k syncs at the steps with
             ``(step - k E / K) % E == 0`` (Streaming DiLoCo), so each sync moves 1/K of the shard.
         offload: ``"cpu"`` keeps the anchor, own delta, outer momentum and residuals in host
             memory (pinned on CUDA), streamed through the buckets during a sync.
@@ -257,28 +180,18 @@ class FedAvg:
                  optimizer: torch.optim.Optimizer | None = None, sync_init: bool = True,
                  offload: str | None = None, residual_dtype: str = "fp32", fragments: int = 1,
                  sharded_exchange: bool | None = None, federation: "Federation | None" = None) -> None:
-        self.check_config(sync_every=sync_every, bucket_mb=bucket_mb, overlap_steps=overlap_steps,
-                          fragments=fragments, inner_state=inner_state, residual_dtype=residual_dtype,
-                          offload=offload, elastic=federation is not None, overlap=overlap)
-        self.federation = federation
-        self.fragments = fragments
-        self.residual_dtype = _RESIDUAL_DTYPES[residual_dtype]
-        self.offload = offload
+        check_config(sync_every=sync_every, bucket_mb=bucket_mb, overlap_steps=overlap_steps, fragments=fragments,
+                     inner_state=inner_state, residual_dtype=residual_dtype, offload=offload,
+                     elastic=federation is not None, overlap=overlap)
+        self.federation, self.fragments, self.offload = federation, fragments, offload
+        self.residual_dtype = RESIDUAL_DTYPES[residual_dtype]
         self.codec_spec = resolve_codec(codec)
         self.codec = self.codec_spec.name
         self.outer_kind = Outer.parse(outer)
         self.inner_state = InnerState.parse(inner_state)
-        if self.inner_state is not InnerState.KEEP and optimizer is None:
-            raise ValueError(f"inner_state={self.inner_state.value!r} needs the inner optimizer: "
-                             "pass optimizer=...")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not hasattr(mesh, "topology") or not hasattr(mesh, "transport"):
-            raise TypeError(f"mesh must be a flcomm FedMesh (Topology.build()), got {type(mesh).__name__}")
-        self.model, self.mesh, self.optimizer = model, mesh, optimizer
-        self.sync_every = sync_every
-        self.error_feedback = bool(error_feedback)
-        self.overlap = bool(overlap)
+        check_inputs(mesh, optimizer, self.inner_state)
+        self.model, self.mesh, self.optimizer, self.sync_every = model, mesh, optimizer, sync_every
+        self.error_feedback, self.overlap = bool(error_feedback), bool(overlap)
         self.overlap_steps = overlap_steps if self.overlap else 0
         self.bucket_mb = float(bucket_mb)
         self.sharded_exchange = sharded_exchange
@@ -288,8 +201,7 @@ class FedAvg:
         self.topology = mesh.topology
         self.federated = self.topology.federated
         self.rank = mesh.rank
-        self.steps = 0
-        self.num_syncs = 0
+        self.steps = self.num_syncs = 0
         self._exposure = ExposedTime(events=False)
         self._frags: list[_Fragment] = []
         self._warned_slow = False
@@ -297,36 +209,14 @@ class FedAvg:
         self.kind, self.slots = collect_slots(model, mesh)
         if self.federated:
             self._init_federated(sync_init)
-
-    @staticmethod
-    def check_config(*, sync_every: Any, bucket_mb: Any = 25.0, overlap_steps: Any = 1, fragments: Any = 1,
-                     inner_state: Any = "keep", residual_dtype: Any = "fp32", offload: Any = None,
-                     codec: Any = "none", outer: Any = "avg", elastic: bool = False,
-                     overlap: bool = False) -> None:
-        """ValueError naming the setting, what is allowed and what came, for the settings that
-        need no model or mesh (the driver calls it before it launches anything)."""
-        integer("sync_every (E, local steps between syncs)", sync_every, 1)
-        number("bucket_mb", bucket_mb, 0, lo_open=True)
-        integer("overlap_steps (k, steps between a sync and its apply)", overlap_steps, 1, sync_every,
-                also=" (at most sync_every)")
-        integer("fragments (K)", fragments, 1)
-        if sync_every % fragments:
-            raise ValueError(f"fragments (K) must divide sync_every={sync_every}, got {fragments!r}")
-        if fragments > 1 and InnerState.parse(inner_state) is not InnerState.KEEP:
-            raise ValueError(f"inner_state={inner_state!r} is not supported with fragments > 1 (only 'keep')")
-        InnerState.parse(inner_state)
-        if elastic and fragments > 1 and overlap:
-            raise ValueError("an elastic federation does not support overlap with fragments > 1 (a membership "
-                             "change would meet another fragment's round in flight); use one of them")
-        if elastic and InnerState.parse(inner_state) is not InnerState.KEEP:
-            raise ValueError(f"inner_state={inner_state!r} is not supported by an elastic federation (only 'keep': "
-                             "a redone round cannot undo an averaged or reset optimizer state)")
-        if residual_dtype not in _RESIDUAL_DTYPES:
-            raise ValueError(f"residual_dtype must be one of {list(_RESIDUAL_DTYPES)}, got {residual_dtype!r}")
-        if offload not in (None, "cpu"):
-            raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
-        resolve_codec(codec)
-        Outer.parse(outer)
+        config = {"sync_every": sync_every, "codec": self.codec, "outer": self.outer_kind.value,
+                  "error_feedback": self.error_feedback, "inner_state": self.inner_state.value,
+                  "in_place": self.in_place, "fragments": fragments}
+        self._checkpoint = FedAvgCheckpoint(
+            self.topology, config, rank=self.rank, elastic=federation is not None, overlap=self.overlap,
+            names=[s.name for s in self.slots], is_param=[s.is_param for s in self.slots],
+            anchors=self._anchor if self.federated else None, outer=self._outer,
+            exchanges=lambda: [fr.exchange for fr in self._frags])
 
     def _init_federated(self, sync_init: bool) -> None:
         mesh = self.mesh
@@ -339,12 +229,9 @@ class FedAvg:
             self.transport = mesh.transport("fed")
         self.group_transport = mesh.transport("group")
         if self.transport is not None:
-            self._check_peers()
+            check_same_shards(self.slots, self.transport, self.fed_ranks)
         locals_ = [s.local for s in self.slots]
-        devices = {t.device for t in locals_}
-        if len(devices) > 1:
-            raise ValueError(f"all averaged tensors must be on one device, got {sorted(map(str, devices))}")
-        self.device = devices.pop() if devices else torch.device("cpu")
+        self.device = one_device(locals_)
         self.is_param = [s.is_param for s in self.slots]
         # NOTE: who sent a non-finite delta travels in its own tiny uncompressed all-reduce (a
         # one-hot int32 vector over the fed group): a lossy codec may turn NaN/Inf into finite
@@ -354,8 +241,8 @@ class FedAvg:
         # the apply, so every rank of every group refuses with the same message.
         self._world_flags = torch.zeros(self.topology.world_size + 1, dtype=torch.int32, device=self.device)
         if sync_init and self.transport is not None:
-            self._broadcast_from_group0()
-        self._exposure = ExposedTime(events=self.device.type == "cuda", new_event=lambda: _cuda_event(self.device))
+            broadcast(self.transport, [s.local for s in self.slots], 0)  # NOTE: all start from group 0's model
+        self._exposure = ExposedTime(events=self.device.type == "cuda", new_event=lambda: cuda_event(self.device))
         work = [bucket_dtype(t.dtype, self.in_place) for t in locals_]
         home = torch.device("cpu") if self.offload else self.device
         pin = self.offload is not None and self.device.type == "cuda"
@@ -376,7 +263,7 @@ class FedAvg:
         # NOTE: the partition uses the tensors' global sizes, so every rank cuts the same fragments
         parts = partition([s.numel for s in self.slots], self.fragments) if self.slots else [[]]
         # NOTE: the fragments' exchanges run one after another in the engine: one staging pool
-        self._staging = self._new_staging()
+        self._staging = StagingPool()
         self.replicate = replicate_transport(mesh, self.sharded_exchange)  # None: not sharded
         for f, part in enumerate(parts):
             # NOTE: empty shards (FSDP uneven sharding) are left out of the exchange; the fed
@@ -388,17 +275,13 @@ class FedAvg:
             self._build_exchanges()
         self._engine = get_engine(self.device, "exchange")
 
-    def _new_staging(self) -> list:
-        """The exchanges' staging pool; with offload and overlapping fragments (an apply while
-        another fragment's exchange is in flight) with an apply scratch (one bucket more on the
-        device), as the job in flight writes the pool's scratch meanwhile."""
-        overlapping = self.overlap and self.overlap_steps > self.sync_every // self.fragments
-        return new_staging(apply_scratch=self.offload is not None and overlapping)
-
     def _build_exchanges(self) -> None:
         """Each fragment's :class:`DeltaExchange` over the current fed transport (again after an
         elastic membership change: the residuals carry over when the layout did not change)."""
         locals_ = [s.local for s in self.slots]
+        # NOTE: overlapping fragments (an apply while another fragment's exchange is in flight,
+        # whose job writes the pool's scratch): the apply stages through a scratch of its own
+        overlapping = self.overlap and self.overlap_steps > self.sync_every // self.fragments
         self._fed_rank_index = torch.tensor(self.fed_ranks, dtype=torch.long, device=self.device)
         for fr in self._frags:
             x = fr.xidx
@@ -409,7 +292,8 @@ class FedAvg:
                 anchors=None if self.in_place else [self._anchor[i] for i in x],
                 own=None if self._own is None else [self._own[i] for i in x], outer=self._outer,
                 momentum_index=[self._mom[i] for i in x], offload=self.offload is not None,
-                residual_dtype=self.residual_dtype, staging=self._staging, replicate=self.replicate) if x else None
+                residual_dtype=self.residual_dtype, staging=self._staging, replicate=self.replicate,
+                apply_scratch=overlapping) if x else None
             fr.flags = torch.zeros(len(self.fed_ranks), dtype=torch.int32, device=self.device)
             if old is not None and fr.exchange is not None:
                 try:
@@ -440,8 +324,7 @@ class FedAvg:
         return did
 
     def starts_sync(self, step: int) -> bool:
-        """Whether :meth:`step` number ``step`` (1-based, as :attr:`steps` counts) starts the
-        sync of a fragment (every ``sync_every / fragments`` steps); never with one group."""
+        """Whether step ``step`` (1-based, as :attr:`steps`) starts a fragment's sync; never with one group."""
         return bool(self._starting(step))
 
     def _starting(self, step: int) -> list[_Fragment]:
@@ -515,58 +398,18 @@ class FedAvg:
         return out
 
     def state_dict(self) -> dict:
-        """Counters, and this rank's anchor shards, outer momentum and error-feedback residuals.
-
-        The tensors are local shards under the key ``f"rank{rank}"``, so each rank saves its own
-        entries with torch.distributed.checkpoint (entries with one key on every rank are
-        deduplicated as replicated). ``topology`` and ``config`` let a load check compatibility
-        first (see :meth:`check_compatible`). The paper's in-place mode keeps no anchor. Call
-        :meth:`finish` first when overlapping.
-        """
+        """Counters, and this rank's anchor shards, outer momentum and error-feedback residuals
+        (:mod:`flcomm.federated.persist`); the paper's in-place mode keeps no anchor. Call
+        :meth:`finish` first when overlapping."""
         if self.in_flight:
             raise RuntimeError("FedAvg.state_dict() with an exchange in flight: call finish() first")
-        sd: dict[str, Any] = {
-            "version": STATE_VERSION,
-            "topology": self._topology_meta(),
-            "config": {"sync_every": self.sync_every, "codec": self.codec, "outer": self.outer_kind.value,
-                       "error_feedback": self.error_feedback, "inner_state": self.inner_state.value,
-                       "in_place": self.in_place, "fragments": self.fragments},
-            "steps": self.steps,
-            "num_syncs": self.num_syncs,
-        }
-        if self.federated:
-            names = [s.name for s in self.slots]
-            outer = self._outer.state_dict()
-            # NOTE: momentum buffers keyed by parameter name (not a list), for readable checkpoints
-            outer["buffers"] = dict(zip([n for n, p in zip(names, self.is_param) if p], outer["buffers"]))
-            sd[f"rank{self.rank}"] = {
-                "anchor": dict(zip(names, self._anchor)),
-                "outer": outer,
-                "exchange": self._exchange_state(),
-                "exposed_comm_s": self.exposed_comm_s,
-            }
-        return sd
+        return self._checkpoint.save(self.steps, self.num_syncs, self.exposed_comm_s)
 
     def check_compatible(self, sd: dict) -> None:
         """Raise ValueError when ``sd`` (or just its ``version``/``topology``/``config``
-        entries) comes from another topology or configuration. An elastic federation accepts
-        another number of groups (the same group shape)."""
-        if sd.get("version") != STATE_VERSION:
-            raise ValueError(f"FedAvg state version {sd.get('version')!r}, expected {STATE_VERSION}")
-        mine, theirs = self._topology_meta(), sd.get("topology")
-        if self.federation is not None and isinstance(theirs, dict):
-            keys = ("ranks_per_node", "group_size", "shard_size")
-            mine, theirs = {k: mine[k] for k in keys}, {k: theirs.get(k) for k in keys}
-        if theirs != mine:
-            raise ValueError(f"FedAvg state is from another topology: saved {theirs}, this run has {mine}")
-        cfg = sd.get("config", {})
-        for key, want in (("outer", self.outer_kind.value), ("error_feedback", self.error_feedback),
-                          ("fragments", self.fragments)):
-            if cfg.get(key, 1 if key == "fragments" else None) != want:
-                raise ValueError(f"FedAvg state was saved with {key}={cfg.get(key)!r}, this run has {key}={want!r}")
-        if cfg.get("in_place", False) and not self.in_place:
-            raise ValueError("FedAvg state was saved in the paper's in-place mode, which keeps no anchor; this "
-                             f"run (codec={self.codec!r}, overlap={self.overlap}) needs one: resume in the same mode")
+        entries) comes from another topology or configuration
+        (:meth:`~flcomm.federated.persist.FedAvgCheckpoint.check_compatible`)."""
+        self._checkpoint.check_compatible(sd)
 
     def load_state_dict(self, sd: dict, source_rank: int | None = None) -> None:
         """Restore what :meth:`state_dict` saved (same topology, model and outer/error-feedback
@@ -575,177 +418,23 @@ class FedAvg:
         anchor and momentum, and its residuals are dropped)."""
         if self.in_flight:
             raise RuntimeError("FedAvg.load_state_dict() with an exchange in flight: call finish() first")
-        self.check_compatible(sd)
-        if self.federated:
-            self._load_rank_state(sd, self.rank if source_rank is None else source_rank)
-        self.steps = int(sd["steps"])
-        self.num_syncs = int(sd["num_syncs"])
-
-    def _load_rank_state(self, sd: dict, source: int) -> None:
-        key = f"rank{source}"
-        if key not in sd:
-            have = sorted(k for k in sd if k.startswith("rank"))
-            raise ValueError(f"FedAvg state has no entry {key!r} for this rank (has {have})")
-        mine = sd[key]
-        names = [s.name for s in self.slots]
-        # NOTE: the in-place mode keeps no anchor and ignores saved ones (the model is the state)
-        anchor = {} if self.in_place else mine["anchor"]
-        want = [] if self.in_place else names
-        if list(anchor) != want:
-            raise ValueError(f"FedAvg state holds anchors for {list(anchor)}, this model has {want}")
-        for n, dst, src in zip(names, self._anchor, anchor.values()):
-            if tuple(src.shape) != tuple(dst.shape):
-                raise ValueError(f"FedAvg anchor {n!r} has shape {tuple(src.shape)} in the state, "
-                                 f"{tuple(dst.shape)} here (another topology or model)")
-        outer = dict(mine["outer"])
-        bufs = outer.get("buffers") or {}
-        outer["buffers"] = list(bufs.values())
-        self._outer.load_state_dict(outer, [tuple(a.shape) for a, p in zip(self._anchor, self.is_param) if p])
-        if source == self.rank:
-            self._load_exchange_state(mine.get("exchange", {}))
-        with torch.no_grad():
-            for dst, src in zip(self._anchor, anchor.values()):
-                if dst is not src:
-                    dst.copy_(src)
-        self.exposed_comm_s = float(mine.get("exposed_comm_s", 0.0))
-
-    def _exchange_state(self) -> dict:
-        """The exchanges' residuals: one fragment's state, or ``{"fragments": [...]}``."""
-        sds = [fr.exchange.state_dict() if fr.exchange is not None else {} for fr in self._frags]
-        return sds[0] if self.fragments == 1 else {"fragments": sds}
-
-    def _load_exchange_state(self, sd: dict) -> None:
-        sds = [sd] if self.fragments == 1 else list(sd.get("fragments", []))
-        if len(sds) != len(self._frags):
-            raise ValueError(f"FedAvg state holds {len(sds)} fragment exchanges, this run has {len(self._frags)}")
-        for fr, s in zip(self._frags, sds):
-            if fr.exchange is not None:
-                try:
-                    fr.exchange.load_state_dict(s)
-                except ValueError:
-                    if self.federation is None:
-                        raise
-                    # NOTE: elastic: saved with another number of groups (another bucket padding);
-                    # the residuals restart at 0
-
-    # ---------------------------------------------------------------- internals
-    def _topology_meta(self) -> dict:
-        return self.topology.to_dict()
-
-    def _check_peers(self) -> None:
-        """All ranks of the fed group must hold the same shards of the same model."""
-        # NOTE: on the transport's device: NCCL groups cannot gather CPU tensors
-        fp = fingerprint(self.slots).to(self.transport.device)
-        flat = torch.zeros(len(self.fed_ranks) * fp.numel(), dtype=fp.dtype, device=fp.device)
-        self.transport.all_gather(flat, fp)
-        got = list(flat.view(len(self.fed_ranks), -1))
-        if any(not torch.equal(g, got[0]) for g in got):
-            rows = ", ".join(f"rank {r}: {int(g[0])} tensors / {int(g[1])} elements / layout {int(g[2]):08x}"
-                             for r, g in zip(self.fed_ranks, got))
-            raise ValueError("the ranks of fed group "
-                             f"{self.fed_ranks} do not hold the same shards of one model ({rows}); "
-                             "every federation group must build the same model and shard it the same "
-                             "way inside the group")
-
-    @torch.no_grad()
-    def _broadcast_from_group0(self) -> None:
-        """Every rank takes federation group 0's shards (at construction)."""
-        self._broadcast([s.local for s in self.slots], 0)
-
-    @torch.no_grad()
-    def _broadcast(self, tensors: list[Tensor], src: int) -> None:
-        """Every rank of the fed group takes fed rank ``src``'s ``tensors`` (one broadcast per
-        dtype, through a flat copy on the transport's device that exists only here)."""
-        tensors = [t for t in tensors if t.numel()]
-        for dt in dict.fromkeys(t.dtype for t in tensors):
-            ts = [t for t in tensors if t.dtype == dt]
-            flat = torch.cat([t.reshape(-1).to(self.transport.device) for t in ts])
-            self.transport.broadcast(flat, src=src)
-            for t, v in zip(ts, flat_views(flat, [t.shape for t in ts])):
-                t.copy_(v)
+        self.steps, self.num_syncs, exposed = self._checkpoint.load(sd, source_rank)
+        if exposed is not None:
+            self.exposed_comm_s = exposed
 
     # ---------------------------------------------------------------- elastic federation
-    def _snapshot(self, fr: _Fragment) -> list[tuple[Tensor, Tensor]]:
-        """Host copies of what fragment ``fr``'s round mutates, as of its start: the local shards
-        (unless overlapping), anchors, own deltas, outer momentum and residuals."""
-        if fr.own_ready is not None:
-            fr.own_ready.synchronize()  # NOTE: own is being written by asynchronous copies
-        ts: list[Tensor] = []
-        for i in fr.xidx:
-            if self._own is None:
-                ts.append(self.slots[i].local)
-            if not self.in_place:
-                ts.append(self._anchor[i])
-            if self._own is not None:
-                ts.append(self._own[i])
-            if self._mom[i] is not None:
-                ts.append(self._outer.buffers[self._mom[i]])
-        if fr.exchange is not None:
-            ts += [r for r in fr.exchange.bar.residuals() if r is not None]
-        return [(t, t.detach().to("cpu", copy=True)) for t in ts]
-
     def _settle(self, fr: _Fragment, job: Job, nb: int) -> ExchangeResult:
-        """Elastic: agree on fragment ``fr``'s round with every live rank
-        (:meth:`Federation.commit`). After an abort: the membership round, then the round's
-        inputs restored and the round redone among the survivors, until one commits. A round
-        that admits rejoining groups hands them the sync's state (:meth:`_handover`)."""
-        def restore() -> None:
-            with torch.no_grad():
-                for t, saved in fr.backup or []:
-                    t.copy_(saved)
-
-        def redo() -> Job:
-            self._submit(fr)
-            job, fr.job = fr.job, None
-            return job
-
-        timeout_s = (self.mesh.timeout * (2 * nb + 2)).total_seconds()
-        res, outcome = self._agree(f"s{fr.sync_step}f{fr.index}", job, timeout_s, redo, restore=restore, admit=True)
-        fr.backup = None
-        if outcome.admit:
-            self._handover(outcome.admit)
-        return res if res is not None else ExchangeResult()
-
-    def _agree(self, name: str, job: Job, timeout_s: float, redo: Callable[[], Job],
-               restore: Callable[[], None] | None = None, admit: bool = False) -> tuple[Any, "Outcome"]:
-        """Elastic: wait for ``job`` (the collectives of round ``name``) and agree on it with every
-        live rank (:meth:`Federation.commit`). After an abort: the membership round, ``restore()``
-        (the round's inputs, before the exchanges are rebuilt from them), the exchanges rebound to
-        the survivors, and ``redo()``'s job in its place, until a round commits. Returns the job's
-        result and the outcome (``admit``: a round that may admit rejoining groups)."""
-        fed = self.federation
-        assert fed is not None
-        while True:
-            out, ok = self._await_round(name, job, timeout_s)
-            outcome = fed.commit(name, ok, admit=admit)
-            if outcome.committed:
-                return out, outcome
-            fed.reform(self.steps)
-            if restore is not None:
-                restore()
-            self._rebind()
-            job = redo()
-
-    def _await_round(self, name: str, job: Job, timeout_s: float) -> tuple[Any, bool]:
-        """Wait for ``job`` (an agreed round's collectives); ``(result, True)`` once it succeeded,
-        ``(None, False)`` when it failed, timed out, or another rank decided round ``name``
-        first."""
-        from flcomm.comm.engine import EngineError
-        from flcomm.federated.elastic import Poller
-
-        # NOTE: a rank whose peer left a collective (after an error of its own) may wait in it
-        # until the timeout: once another rank decided the round, it stops waiting and leaves
-        # the job behind on the old generation's lane
+        """Elastic: fragment ``fr``'s round as a round of the federation
+        (:meth:`Federation.run_round`): after an abort its inputs restored (``fr.restore``) and
+        the round redone among the survivors; a round that admits rejoining groups hands them
+        the sync's state."""
         assert self.federation is not None
-        deadline, poll = time.monotonic() + timeout_s, Poller()
-        while not job.host_done(poll.next()) and not self.federation.decided(name) and time.monotonic() < deadline:
-            pass
-        if job.host_done():
-            try:
-                return job.wait(), True
-            except EngineError:
-                pass
-        return None, False
+        timeout_s = (self.mesh.timeout * (2 * nb + 2)).total_seconds()
+        res = self.federation.run_round(f"s{fr.sync_step}f{fr.index}", job, timeout_s, step=self.steps,
+                                        redo=lambda: self._submit(fr), rebind=self._rebind, restore=fr.restore,
+                                        handover=self._share_sync_state)
+        fr.restore = None
+        return res if res is not None else ExchangeResult()
 
     def cross_group(self, name: str, fn: Callable[[Any], Any]) -> Any:
         """Elastic: run ``fn(transport)`` (collectives over the fed group, e.g. the evaluation's
@@ -758,7 +447,8 @@ class FedAvg:
             transport = self.transport
             return self._engine.submit(lambda job: fn(transport), f"{name} over the federation")
 
-        return self._agree(name, submit(), 2 * self.mesh.timeout.total_seconds(), submit)[0]
+        return self.federation.run_round(name, submit(), 2 * self.mesh.timeout.total_seconds(), step=self.steps,
+                                         redo=submit, rebind=self._rebind)
 
     def _rebind(self) -> None:
         """The exchanges over the federation's current transport."""
@@ -769,22 +459,14 @@ class FedAvg:
         # NOTE: a job of the old generation may still wait in a dead collective (until its
         # timeout) and hold its lane and staging buffers: the new generation gets its own
         self._engine = get_engine(self.device, f"exchange-gen{self.federation.generation}")
-        self._staging = self._new_staging()
+        self._staging = StagingPool()
         self._build_exchanges()
 
-    def _sync_state(self) -> list[Tensor]:
-        """What a rejoining group takes from a survivor: the anchors (the shards themselves in
-        the paper's in-place mode) and the outer momentum."""
+    def _share_sync_state(self, src: int) -> None:
+        """What a rejoining group takes from a survivor (fed index ``src``): the anchors (the
+        shards themselves in the paper's in-place mode) and the outer momentum."""
         base = [s.local for s in self.slots] if self.in_place else list(self._anchor)
-        return base + list(self._outer.buffers)
-
-    def _handover(self, admit: tuple[int, ...]) -> None:
-        """Survivors, after a round that admitted ``admit``: the next generation, and the sync's
-        state broadcast from the lowest surviving group."""
-        assert self.federation is not None
-        self.federation.advance(admit, self.steps)
-        self._rebind()
-        self._broadcast(self._sync_state(), self.federation.source_index(admit))
+        broadcast(self.transport, base + list(self._outer.buffers), src)
 
     @torch.no_grad()
     def rejoin(self) -> int:
@@ -795,7 +477,7 @@ class FedAvg:
             raise RuntimeError("FedAvg.rejoin() needs a Federation made with rejoin_mode=True")
         m = self.federation.rejoin()
         self._rebind()
-        self._broadcast(self._sync_state(), self.federation.source_index(m.joined))
+        self._share_sync_state(self.federation.source_index(m.joined))
         if not self.in_place:
             for s, a in zip(self.slots, self._anchor):
                 s.local.copy_(a)
@@ -825,19 +507,19 @@ class FedAvg:
                 # stream before the next step writes the shard and before the job reads own
                 self._own[i].copy_(t, non_blocking=True)
             offloaded = self.offload is not None and self.device.type == "cuda"
-            fr.own_ready = _cuda_event(self.device) if offloaded and fr.exchange is not None else None
-        if self.inner_state is InnerState.AVERAGE:
-            self._average_inner_state()
-        elif self.inner_state is InnerState.RESET:
-            self.optimizer.state.clear()
+            fr.own_ready = cuda_event(self.device) if offloaded and fr.exchange is not None else None
+        sync_inner_state(self.inner_state, self.optimizer, self.transport)
         fr.sync_step = self.steps
         fr.apply_at = self.steps + self.overlap_steps
         if self.federation is not None:
-            fr.backup = self._snapshot(fr)
-        self._submit(fr)
+            if fr.own_ready is not None:
+                fr.own_ready.synchronize()  # NOTE: own is being written by asynchronous copies
+            xlocals = [self.slots[i].local for i in fr.xidx]
+            fr.restore = snapshot(fr.exchange.mutated(xlocals) if fr.exchange is not None else [])
+        fr.job = self._submit(fr)
         self._exposure.end(window)
 
-    def _submit(self, fr: _Fragment) -> None:
+    def _submit(self, fr: _Fragment) -> Job:
         """Queue fragment ``fr``'s exchange (step 3-4) as a job of the progress engine."""
         xlocals = [self.slots[i].local for i in fr.xidx]
         if self._engine.stream is not None:
@@ -858,7 +540,7 @@ class FedAvg:
             return exchange.run(job, xlocals, skip=flags.any())
 
         name = f"FedAvg exchange of step {fr.sync_step}" + (f" (fragment {fr.index})" if self.fragments > 1 else "")
-        fr.job = self._engine.submit(run, name)
+        return self._engine.submit(run, name)
 
     @torch.no_grad()
     def _apply(self, fr: _Fragment, on_time: bool = False) -> None:
@@ -916,25 +598,3 @@ class FedAvg:
         raise NonFiniteAverageError(
             f"{what}: the average exchanged between federation groups is not finite (NaN/Inf); {origin}. "
             "Every rank stops with this error: restore a checkpoint.", list(self.fed_ranks), bad)
-
-    def _average_inner_state(self) -> None:
-        """Average the floating inner-optimizer state (all but ``step``) over the fed group."""
-        tensors: list[Tensor] = []
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                st = self.optimizer.state.get(p, {})
-                for k in sorted(st):
-                    v = st[k]
-                    if k == "step" or not isinstance(v, Tensor) or not v.is_floating_point():
-                        continue
-                    v = v.to_local() if is_dtensor(v) else v
-                    if v.numel():
-                        tensors.append(v)
-        if not tensors:
-            return
-        for dt in dict.fromkeys(bucket_dtype(t.dtype, False) for t in tensors):
-            ts = [t for t in tensors if bucket_dtype(t.dtype, False) == dt]
-            flat = torch.cat([t.reshape(-1).to(dt) for t in ts])
-            self.transport.all_reduce(flat, op="avg")
-            for t, v in zip(ts, flat_views(flat, [t.shape for t in ts])):
-                t.copy_(v)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
+    from flcomm.comm.base import Transport
     from flcomm.federated.topology import FedMesh
 
 
@@ -165,3 +166,64 @@ def fingerprint(slots: list[Slot]) -> Tensor:
 
 def describe(slots: list[Slot]) -> list[tuple[str, tuple[int, ...]]]:
     return [(s.name, tuple(s.local.shape)) for s in slots]
+
+
+def check_same_shards(slots: list[Slot], transport: "Transport", fed_ranks: list[int]) -> None:
+    """ValueError unless every rank of the fed group (``transport``, over ``fed_ranks``) holds
+    the same shards of the same model (:func:`fingerprint`). Collective."""
+    # NOTE: on the transport's device: NCCL groups cannot gather CPU tensors
+    fp = fingerprint(slots).to(transport.device)
+    flat = torch.zeros(len(fed_ranks) * fp.numel(), dtype=fp.dtype, device=fp.device)
+    transport.all_gather(flat, fp)
+    got = list(flat.view(len(fed_ranks), -1))
+    if any(not torch.equal(g, got[0]) for g in got):
+        rows = ", ".join(f"rank {r}: {int(g[0])} tensors / {int(g[1])} elements / layout {int(g[2]):08x}"
+                         for r, g in zip(fed_ranks, got))
+        raise ValueError("the ranks of fed group "
+                         f"{fed_ranks} do not hold the same shards of one model ({rows}); "
+                         "every federation group must build the same model and shard it the same "
+                         "way inside the group")
+
+
+@torch.no_grad()
+def broadcast(transport: "Transport", tensors: list[Tensor], src: int) -> None:
+    """Every rank of ``transport`` takes rank ``src``'s ``tensors`` (one broadcast per dtype,
+    through a flat copy on the transport's device that exists only here). Collective."""
+    tensors = [t for t in tensors if t.numel()]
+    for dt in dict.fromkeys(t.dtype for t in tensors):
+        ts = [t for t in tensors if t.dtype == dt]
+        flat = torch.cat([t.reshape(-1).to(transport.device) for t in ts])
+        transport.broadcast(flat, src=src)
+        for t, v in zip(ts, flat_views(flat, [t.shape for t in ts])):
+            t.copy_(v)
+
+
+def flat_views(flat: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
+    """Views of consecutive pieces of ``flat`` with the given shapes."""
+    out, off = [], 0
+    for s in shapes:
+        n = 1
+        for d in s:
+            n *= d
+        out.append(flat[off:off + n].view(s))
+        off += n
+    return out
+
+
+def partition(numels: list[int], k: int) -> list[list[int]]:
+    """Contiguous runs of tensor indices, K of them, of about equal size: fragment j ends after
+    the first tensor at which the running total reaches (j+1)/K of the whole. ValueError when a
+    fragment would be empty (too few tensors, or one tensor larger than several fragments)."""
+    total = sum(numels)
+    bounds, cum, j = [0], 0, 1
+    for i, n in enumerate(numels):
+        cum += n
+        while j < k and cum * k >= j * total:
+            bounds.append(i + 1)
+            j += 1
+    bounds += [len(numels)] * (k + 1 - len(bounds))
+    parts = [list(range(bounds[f], bounds[f + 1])) for f in range(k)]
+    if any(not p for p in parts):
+        raise ValueError(f"cannot split {len(numels)} tensors (sizes {numels[:8]}{'...' if len(numels) > 8 else ''}) "
+                         f"into {k} fragments of about equal size: use fewer fragments")
+    return parts

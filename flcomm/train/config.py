@@ -7,7 +7,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from flcomm.federated.fedavg import FedAvg, InnerState
+from flcomm.federated.config import check_config
+from flcomm.federated.inner import InnerState
 from flcomm.federated.outer import Outer
 from flcomm.federated.strategy import Strategy
 from flcomm.federated.topology import Topology
@@ -138,7 +139,7 @@ class TrainConfig:
 
     def check_federation(self) -> None:
         """The FedAvg settings, by FedAvg's own check (before any process starts)."""
-        FedAvg.check_config(sync_every=self.sync_every, bucket_mb=self.bucket_mb, overlap_steps=self.overlap_steps,
+        check_config(sync_every=self.sync_every, bucket_mb=self.bucket_mb, overlap_steps=self.overlap_steps,
                             fragments=self.fragments, inner_state=self.inner_state,
                             residual_dtype=self.residual_dtype, offload=self.offload, codec=self.codec,
                             outer=self.outer, elastic=self.elastic, overlap=self.overlap)

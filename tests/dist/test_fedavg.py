@@ -23,8 +23,18 @@ import torch
 import torch.distributed as dist
 
 from tests.common.dist import run_distributed
-from tests.common.fedavg_harness import (ATOL, CODEC_TOL, build, cases_worker, compare, fed_mesh, full_state,
-                                         resume_from, run_case, train)
+from tests.common.fedavg_harness import (
+    ATOL,
+    CODEC_TOL,
+    build,
+    cases_worker,
+    compare,
+    fed_mesh,
+    full_state,
+    resume_from,
+    run_case,
+    train,
+)
 from tests.common.fedavg_sim import averaged_names, batch, loss_fn, make_model, make_opt, simulate
 
 pytestmark = pytest.mark.timeout(600)  # a hang guard; the machine may be heavily shared
@@ -272,7 +282,6 @@ def test_state_dict_round_trip(combined):
 
 
 def _errors_worker(rank: int, world: int) -> dict:
-    import sys
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -103,6 +103,18 @@ def _exchange_worker(rank: int, world: int) -> dict:
                        error_feedback=False, in_place=True, replicate=rep)
     get_engine("cpu").submit(lambda j: ex.run(j, loc), "test in place").wait(120)
     out["inplace_bf16"] = (loc, ex.bar.num_buckets)
+    # the generic bucketed all-reduce gathers the slices as reduced (fp32), the exchange's in the
+    # codec's encoding (its gather_slices hook)
+    from flcomm.collectives.bucketing import BucketedAllReduce
+    from flcomm.federated.exchange import SlicedAllReduce
+
+    out["generic_gather"] = {}
+    for cls in (BucketedAllReduce, SlicedAllReduce):
+        ts = _data(c.group, c.shard, "generic")
+        bar = cls(fm.transport("fed"), ts, codec="int8", bucket_mb=1.0, replicate=rep)
+        fm.stats.reset()
+        bar.start().wait(120)
+        out["generic_gather"][cls.__name__] = (ts, fm.stats.snapshot()["intra_node"]["bytes"])
     # the bookkeeping helper agrees with the formula (one home for wire bytes)
     assert wire_bytes("all_gather", 4 * N, R) == (R - 1) * 4 * N // R
     out["coords"] = (fm.coords.group, fm.coords.replica, fm.coords.shard)
@@ -276,6 +288,25 @@ def test_in_place_bf16_many_buckets(results):
         for t, w in zip(got, want):
             assert t.dtype == torch.bfloat16
             assert torch.equal(t, w.to(torch.bfloat16))  # integer halves: exact in bf16
+
+
+def test_generic_bucketing_gathers_the_slices_decoded(results):
+    """BucketedAllReduce gathers the replicas' reduced slices in fp32, the exchange's
+    SlicedAllReduce in the codec's encoding and decodes them: the same bits, (R-1)/R of the fp32
+    bytes against (R-1)/R of the encoded bytes."""
+    from flcomm.codecs import get_codec
+
+    for r, out in enumerate(_part(results, "exchange")):
+        g, _, s = out["coords"]
+        (plain, plain_bytes), (sliced, sliced_bytes) = (out["generic_gather"][k] for k in
+                                                        ("BucketedAllReduce", "SlicedAllReduce"))
+        assert plain_bytes == (R - 1) * 4 * N // R, (r, plain_bytes)
+        assert sliced_bytes == (R - 1) * get_codec("int8").encoded_nbytes(N) // R, (r, sliced_bytes)
+        want = [sum(ts[i].double() for ts in (_data(f, s, "generic") for f in range(F))) / F
+                for i in range(len(SHAPES))]
+        for p, q, w in zip(plain, sliced, want):
+            assert torch.equal(p, q), r
+            torch.testing.assert_close(p.double(), w, rtol=0, atol=CODEC_TOL["int8"] * w.abs().max().item())
 
 
 def test_fedavg_sharded_matches_simulation(results):

@@ -92,6 +92,68 @@ def test_survivors_equal_the_simulation_without_the_lost_group(case):
             torch.testing.assert_close(got["params"][n], v, rtol=0, atol=1e-6, msg=lambda m: f"rank {r} {n}: {m}")
 
 
+# ---------------------------------------------------------------- the round protocol, against stubs
+def _stub_federation(awaits: list, outcomes: list, calls: list):
+    """A Federation whose store-facing steps are stubs recording the calls (no store, no groups):
+    :meth:`Federation.run_round`'s own sequencing is what runs."""
+    from flcomm.federated.elastic import Federation
+
+    fed = Federation.__new__(Federation)
+
+    def await_round(name, job, timeout_s):
+        calls.append(("await", name, job, timeout_s))
+        return awaits.pop(0)
+
+    fed._await_round = await_round
+    fed.commit = lambda name, ok, admit: calls.append(("commit", name, ok, admit)) or outcomes.pop(0)
+    fed.reform = lambda step: calls.append(("reform", step))
+    fed.advance = lambda admit, step: calls.append(("advance", admit, step))
+    fed.source_index = lambda joined: calls.append(("source_index", joined)) or 1
+    return fed
+
+
+def test_run_round_redoes_an_aborted_round_and_hands_over_to_admitted_groups():
+    """Abort: reform at the round's step, then restore, rebind and redo (in that order, the
+    redone job awaited next); a commit that admits group 2: the next generation, rebind, and the
+    handover from the survivor's index. The job's result comes back."""
+    from flcomm.federated.elastic import Outcome
+
+    calls: list = []
+    fed = _stub_federation([(None, False), ("avg", True)], [Outcome(False), Outcome(True, (2,))], calls)
+    got = fed.run_round("s4f0", "job0", 7.0, step=4, redo=lambda: calls.append(("redo",)) or "job1",
+                        rebind=lambda: calls.append(("rebind",)), restore=lambda: calls.append(("restore",)),
+                        handover=lambda src: calls.append(("handover", src)))
+    assert got == "avg"
+    assert calls == [("await", "s4f0", "job0", 7.0), ("commit", "s4f0", False, True), ("reform", 4), ("restore",),
+                     ("rebind",), ("redo",), ("await", "s4f0", "job1", 7.0), ("commit", "s4f0", True, True),
+                     ("advance", (2,), 4), ("rebind",), ("source_index", (2,)), ("handover", 1)]
+
+
+def test_run_round_without_handover_admits_no_group():
+    """A round that may not admit (an evaluation): commit is asked with ``admit=False``, nothing
+    is restored without a ``restore``, and a commit ends it."""
+    from flcomm.federated.elastic import Outcome
+
+    calls: list = []
+    fed = _stub_federation([(None, False), (3.5, True)], [Outcome(False), Outcome(True)], calls)
+    got = fed.run_round("eval8", "j0", 2.0, step=8, redo=lambda: "j1", rebind=lambda: calls.append(("rebind",)))
+    assert got == 3.5
+    assert [c[0] for c in calls] == ["await", "commit", "reform", "rebind", "await", "commit"]
+    assert all(c[3] is False for c in calls if c[0] == "commit")
+
+
+def test_snapshot_restores_what_the_round_changed():
+    from flcomm.federated.elastic import snapshot
+
+    a, b = torch.arange(6.0).view(2, 3), torch.ones(4, dtype=torch.bfloat16)
+    want = [a.clone(), b.clone()]
+    restore = snapshot([a, b])
+    a.mul_(-2)
+    b.add_(3)
+    restore()
+    assert torch.equal(a, want[0]) and torch.equal(b, want[1])
+
+
 # ---------------------------------------------------------------- the driver and its launcher
 # 8 ranks as 4 groups x 2 (bench/faults.py's elastic rows: --sync-every 4 --batch-size 2
 # --seq-len 32), rank 3 (group 1) killed; the lost group loses the steps it began since its last

@@ -40,7 +40,7 @@ def _window(acc, clock: _Clock, host_wait: float, stream_wait: float) -> None:
 
 @pytest.mark.parametrize("events", [True, False], ids=["cuda-events", "cpu-host-time"])
 def test_a_late_exchange_is_counted_once(events):
-    from flcomm.federated.fedavg import ExposedTime
+    from flcomm.federated.exposure import ExposedTime
 
     clock = _Clock()
     acc = ExposedTime(events=events, clock=clock, new_event=lambda: _Event(clock))
@@ -58,7 +58,7 @@ def test_a_late_exchange_is_counted_once(events):
 def test_cuda_accounting_counts_the_stream_not_the_host():
     """The host waited for the job's host part while the compute stream still had work queued
     (it stalls only 0.25 s): the stream's time counts; a stream stall without a host wait too."""
-    from flcomm.federated.fedavg import ExposedTime
+    from flcomm.federated.exposure import ExposedTime
 
     clock = _Clock()
     acc = ExposedTime(events=True, clock=clock, new_event=lambda: _Event(clock))

@@ -5,7 +5,7 @@ import pytest
 
 
 def test_fragment_partition():
-    from flcomm.federated.fedavg import partition
+    from flcomm.federated.shards import partition
 
     assert partition([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
     assert partition([5] * 8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]

@@ -3,8 +3,10 @@ within its bound and flat in the world size, where re-quantizing along a ring gr
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from flcomm.codecs import get_codec
 from tests.common.two_hop import BLOCK, rank_input, round_trip, simulate_two_hop, two_hop_bound
 
 
@@ -34,3 +36,21 @@ def test_error_does_not_grow_with_world_size():
         ring[W] = float((simulate_ring(xs, "int8") - exact).abs().mean())
     assert two_hop[32] <= 1.5 * two_hop[2], two_hop
     assert ring[32] >= 2 * two_hop[32], (ring, two_hop)
+
+
+def test_two_hop_plan_stages_are_named_and_ordered():
+    """The plan's three stages by what they do: each refuses to run out of order, naming the
+    stage it needs, and the idle plan reports its stage."""
+    from types import SimpleNamespace
+
+    from flcomm.collectives.compressed import TwoHopPlan
+    from flcomm.comm.base import ReduceOp
+
+    plan = TwoHopPlan(SimpleNamespace(size=2, rank=0), 512, get_codec("int8"), ReduceOp.AVG, torch.device("cpu"))
+    assert plan.stage == "idle"
+    with pytest.raises(RuntimeError, match=r"reduce_gather\(\) needs encode_scatter\(\)"):
+        plan.reduce_gather()
+    with pytest.raises(RuntimeError, match=r"decode_result\(\) needs reduce_gather\(\)"):
+        plan.decode_result()
+    plan.finish()  # NOTE: nothing in flight: nothing to run
+    assert plan.stage == "idle"
