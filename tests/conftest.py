@@ -17,7 +17,18 @@ def pytest_configure(config):
         raise pytest.UsageError("FLCOMM_REQUIRE=" + required + ", but this flcomm lacks: " + "; ".join(missing))
 
 
+def _deselect_slow(config, items):
+    """``slow`` tests run only when asked: ``-m`` names the marker (``-m slow``) or FLCOMM_SLOW=1."""
+    if os.environ.get("FLCOMM_SLOW") == "1" or "slow" in (config.getoption("markexpr") or ""):
+        return
+    slow = [item for item in items if "slow" in item.keywords]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if "slow" not in item.keywords]
+
+
 def pytest_collection_modifyitems(config, items):
+    _deselect_slow(config, items)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
         if "gpu" in item.keywords and gpus < 1:

@@ -125,3 +125,39 @@ def test_ranks_see_the_callers_environment_and_fork_from_a_safe_server(monkeypat
     for r in res:
         assert r["parent"] != os.getpid(), r  # forked from the forkserver, not from the test
         assert r["parent_threads"] == 1 and not r["bad_fork"], r
+
+
+class _Config:
+    def __init__(self, markexpr: str) -> None:
+        self.markexpr, self.deselected = markexpr, []
+        self.hook = self
+
+    def getoption(self, name: str) -> str:
+        assert name == "markexpr"
+        return self.markexpr
+
+    def pytest_deselected(self, items) -> None:
+        self.deselected += items
+
+
+class _Item:
+    def __init__(self, name: str, *marks: str) -> None:
+        self.name, self.keywords = name, {name: 1, **{m: 1 for m in marks}}
+
+
+@pytest.mark.parametrize("markexpr,env,kept", [("", None, ["fast"]), ("", "1", ["fast", "slow"]),
+                                                ("slow", None, ["fast", "slow"]),
+                                                ("not slow", None, ["fast", "slow"])])
+def test_slow_tests_run_only_when_asked(monkeypatch, markexpr, env, kept):
+    """conftest: ``slow`` tests are deselected unless ``-m`` names the marker or FLCOMM_SLOW=1
+    (``-m "not slow"`` then deselects them itself)."""
+    from tests.conftest import _deselect_slow
+
+    if env is None:
+        monkeypatch.delenv("FLCOMM_SLOW", raising=False)
+    else:
+        monkeypatch.setenv("FLCOMM_SLOW", env)
+    items, config = [_Item("fast"), _Item("slow", "slow")], _Config(markexpr)
+    _deselect_slow(config, items)
+    assert [i.name for i in items] == kept
+    assert [i.name for i in config.deselected] == [n for n in ("fast", "slow") if n not in kept]
