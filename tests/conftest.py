@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from tests.common.markers import deselect_slow
+
 
 def pytest_configure(config):
     """``FLCOMM_REQUIRE=native,cuda,nccl`` (CI sets it per job): a build without one of them
@@ -18,6 +20,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    deselect_slow(config, items)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
         if "gpu" in item.keywords and gpus < 1:

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.common.dist import run_distributed
+from tests.common.dist import run_distributed, run_parts
 from tests.common.fedavg_harness import (
     ATOL,
     CODEC_TOL,
@@ -147,19 +147,11 @@ def test_semantics_ddp_averager_overlap_outer_inner():
 
 
 # ------------------------------------------------------------------ compression, state, errors
-# NOTE: the three checks below share one spawned run (spawning 4 ranks costs more than the
-# checks); each test reads its own part, and a part that raised fails only its test.
+# NOTE: the three checks below share one run of the ranks (starting 4 ranks costs more than the
+# checks); each test reads its own part; the first part that fails ends the run (tests.dist.run_parts)
 def _combined_worker(rank: int, world: int, ckpt_dir: str) -> dict:
-    import traceback
-
-    out = {}
-    for name, fn, args in (("compressed", _compressed_worker, ()), ("roundtrip", _roundtrip_worker, (ckpt_dir,)),
-                           ("errors", _errors_worker, ())):
-        try:
-            out[name] = ("ok", fn(rank, world, *args))
-        except Exception as e:  # noqa: BLE001 - reported by the test that owns the part
-            out[name] = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-    return out
+    return run_parts(rank, world, (("compressed", _compressed_worker, ()),
+                                   ("roundtrip", _roundtrip_worker, (ckpt_dir,)), ("errors", _errors_worker, ())))
 
 
 @pytest.fixture(scope="module")
@@ -169,11 +161,7 @@ def combined() -> list[dict]:
 
 
 def _part(results: list[dict], name: str) -> list:
-    for r, res in enumerate(results):
-        status, value = res[name]
-        if status == "error":
-            pytest.fail(f"rank {r}: {value}")
-    return [res[name][1] for res in results]
+    return [res[name] for res in results]
 
 
 COMPRESSED = [("bf16", False), ("int8", False), ("int8", True), ("fp8", True), ("int8", "bf16")]

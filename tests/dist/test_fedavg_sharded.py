@@ -20,12 +20,11 @@ private replicate group.
 from __future__ import annotations
 
 import copy
-import traceback
 
 import pytest
 import torch
 
-from tests.common.dist import run_distributed
+from tests.common.dist import run_distributed, run_parts
 from tests.common.fedavg_harness import (ATOL, CODEC_TOL, build, fed_mesh, full_state, resume_from, run_case,
                                          train)
 from tests.common.fedavg_sim import make_model
@@ -224,20 +223,14 @@ def _nan_worker(rank: int, world: int) -> dict:
     return {"bad_ranks": None}
 
 
-# NOTE: one spawned run for every part (spawning 8 ranks costs more than most checks); each test
-# reads its own part, and a part that raised fails only its test.
-PARTS = (("exchange", _exchange_worker), ("sim", _sim_worker), ("codecs", _codecs_worker),
-         ("roundtrip", _roundtrip_worker), ("nan", _nan_worker))
+# NOTE: one run of the ranks for every part (starting 8 ranks costs more than most checks); each
+# test reads its own part; the first part that fails ends the run (tests.dist.run_parts)
+PARTS = (("exchange", _exchange_worker, ()), ("sim", _sim_worker, ()), ("codecs", _codecs_worker, ()),
+         ("roundtrip", _roundtrip_worker, ()), ("nan", _nan_worker, ()))
 
 
 def _all_worker(rank: int, world: int) -> dict:
-    out = {}
-    for name, fn in PARTS:
-        try:
-            out[name] = ("ok", fn(rank, world))
-        except Exception as e:  # noqa: BLE001 - reported by the test that owns the part
-            out[name] = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-    return out
+    return run_parts(rank, world, PARTS)
 
 
 @pytest.fixture(scope="module")
@@ -246,11 +239,7 @@ def results() -> list[dict]:
 
 
 def _part(results: list[dict], name: str) -> list:
-    for r, res in enumerate(results):
-        status, value = res[name]
-        if status == "error":
-            pytest.fail(f"rank {r}: {value}")
-    return [res[name][1] for res in results]
+    return [res[name] for res in results]
 
 
 def test_exchange_average_and_bytes_drop_by_R(results):

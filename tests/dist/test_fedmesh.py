@@ -55,8 +55,12 @@ def _frozen_peer(rank, world, timeout_s):
                 out[k, dim] = ("completed", time.monotonic() - t0)
             except RuntimeError:
                 out[k, dim] = ("timed out", time.monotonic() - t0)
-    if rank == 0:
-        time.sleep(3 * timeout_s + 2)
+    # NOTE: rank 0 stays (its groups open) until every peer has given up
+    from tests.common import dist as tdist
+
+    tdist.STORE.add("peers_done", int(rank != 0))
+    while rank == 0 and tdist.STORE.add("peers_done", 0) < world - 1:
+        time.sleep(0.05)
     return out
 
 
@@ -69,4 +73,5 @@ def test_mesh_dims_carry_the_timeout():
     assert seen == {("fl-fsdp", "shard"), ("fl-fsdp", "fed"), ("fl-hsdp", "replicate"), ("fl-hsdp", "fed")}
     for rank in (1, 2, 3):
         for key, (status, secs) in res[rank].items():
-            assert status == "timed out" and secs < 2 * timeout_s, (rank, key, secs)
+            # NOTE: 5 x the timeout (a loaded machine); torch's default would be 30 min
+            assert status == "timed out" and secs < 5 * timeout_s, (rank, key, secs)
