@@ -12,6 +12,8 @@
 #                         instead of ~3.5 GB.
 #   FLCOMM_CUDA=auto|0|1  build the CUDA sources (1: fail if they cannot be built)
 #   FLCOMM_CUDA_ARCHS     GPU arches, e.g. "90" (default 8.0;9.0)
+#   FLCOMM_SETUP=all|torch  torch: stop once torch (and, lean, its borrowed libraries) is in place,
+#                         before the build (CI fetches job 2's torch while job 1 runs its tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION=${FLCOMM_TORCH:-2.14.1}
@@ -51,12 +53,19 @@ for r in m.requires('torch') or []:
   if g: print(r.split(';')[0].strip())")
   [ -n "$nccl" ] && "$VENV/bin/pip" install -q --no-deps "$nccl"
 fi
-if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
-echo "[setup] building flcomm in $VENV (CUDA_HOME=${CUDA_HOME:-unset}, FLCOMM_CUDA=${FLCOMM_CUDA:-auto})"
 if [ "$LEAN" = 1 ]; then
   # NOTE: --no-deps: pip would otherwise resolve torch's own requirements (the CUDA wheels) again.
   # The list is pyproject's dependencies and [test,plot] extras, less torch.
   "$VENV/bin/pip" install -q "setuptools>=77,<82" wheel ninja numpy tqdm "pytest>=8" pytest-timeout hypothesis matplotlib
+fi
+case "${FLCOMM_SETUP:-all}" in
+  all) ;;
+  torch) echo "[setup] torch==$TORCH_VERSION is in $VENV (FLCOMM_SETUP=torch: no build)"; exit 0 ;;
+  *) echo "[setup] FLCOMM_SETUP: expected all or torch, got '${FLCOMM_SETUP}'" >&2; exit 2 ;;
+esac
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
+echo "[setup] building flcomm in $VENV (CUDA_HOME=${CUDA_HOME:-unset}, FLCOMM_CUDA=${FLCOMM_CUDA:-auto})"
+if [ "$LEAN" = 1 ]; then
   "$VENV/bin/pip" install -q --no-build-isolation --no-deps -e .
 else
   "$VENV/bin/pip" install -q "setuptools>=77" wheel ninja numpy

@@ -270,7 +270,6 @@ def test_state_dict_round_trip(combined):
 
 
 def _errors_worker(rank: int, world: int) -> dict:
-
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -287,8 +286,8 @@ def _errors_worker(rank: int, world: int) -> dict:
         (dict(sync_every=2, inner_state="average"), ValueError, "needs the inner optimizer"),
         (dict(sync_every=2, bucket_mb=0), ValueError, "bucket_mb"),
         (dict(sync_every=2, outer="nesterov", outer_momentum=1.0), ValueError, "outer_momentum"),
-        (dict(sync_every=2, overlap=True, overlap_steps=3), ValueError, r"overlap_steps .* \[1, sync_every=2\], got 3"),
-        (dict(sync_every=4, fragments=3), ValueError, "fragments .* divides sync_every=4, got 3"),
+        (dict(sync_every=2, overlap=True, overlap_steps=3), ValueError, r"overlap_steps .* in \[1, 2\] \(at most sync_every\), got 3"),
+        (dict(sync_every=4, fragments=3), ValueError, "fragments .* must divide sync_every=4, got 3"),
         (dict(sync_every=4, fragments=2, inner_state="reset"), ValueError, "not supported with fragments > 1"),
         (dict(sync_every=2, offload="gpu"), ValueError, "offload must be None or 'cpu', got 'gpu'"),
         (dict(sync_every=2, residual_dtype="fp8"), ValueError, r"residual_dtype must be one of \['fp32', 'bf16'\]"),

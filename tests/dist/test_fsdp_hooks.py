@@ -188,10 +188,9 @@ def test_fsdp2_hierarchical_and_hsdp_hook_2x2(fsdp2_2x2):
         assert dl <= 0.01 * max(r["hsdp_losses"]) and math.isfinite(dp), r["hsdp_int8"]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fsdp2_hierarchical_2x4():
-    # NOTE: 8 ranks training on two cores: minutes, hence `slow` (deselect with -m "not slow").
+    # NOTE: 8 ranks training on two cores: the slowest of the FSDP2 hook tests
     res = run_distributed(_fsdp2_runs, 8, 4, False, False, timeout=500)
     dl, dp = res[0]["fsdp2"]
     assert dl <= LOSS_TOL and dp <= PARAM_TOL, res[0]["fsdp2"]

@@ -134,7 +134,6 @@ def _check_two_shapes(rank: int, world: int, sizes: list[int], dtypes: list[torc
     return [_check_collectives(rank, world, local, sizes, dtypes) for local in (4, 2)]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_hierarchical_2x4_and_4x2_match_flat():
     # NOTE: one spawn of 8 ranks for both shapes (2 nodes x 4 and 4 nodes x 2): start-up dominates.

@@ -43,10 +43,10 @@ def _run(rank: int, world: int, argv: list[str]) -> dict:
             "inter_group_bytes": fed.mesh.stats.bytes("inter_group")}
 
 
-@pytest.mark.slow
+# NOTE: plain FL+HSDP runs under -m slow: the int8 + EF + overlap case takes the same path with more
 @pytest.mark.parametrize("world,extra,mesh_shape", [
     (4, [], (2, 1, 2)),                                                        # FL+FSDP, 2 x 2
-    (8, ["--strategy", "fl-hsdp"], (2, 2, 2)),                                 # FL+HSDP, 2 x (2 x 2)
+    pytest.param(8, ["--strategy", "fl-hsdp"], (2, 2, 2), marks=pytest.mark.slow),  # FL+HSDP, 2 x (2 x 2)
     (8, ["--strategy", "fl-hsdp", "--codec", "int8", "--error-feedback", "--overlap"], (2, 2, 2)),
 ], ids=["fl-fsdp-4", "fl-hsdp-8", "fl-hsdp-8-int8-ef-overlap"])
 def test_hf_llama_example(world, extra, mesh_shape):

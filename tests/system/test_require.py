@@ -30,6 +30,8 @@ def _tree(tmp_path: pathlib.Path, with_native: bool) -> pathlib.Path:
         (tmp_path / "flcomm" / "_C.py").write_text("raise ImportError('undefined symbol: a broken build')\n")
     (tmp_path / "tests").mkdir()
     shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "tests" / "conftest.py")
+    shutil.copytree(ROOT / "tests" / "common", tmp_path / "tests" / "common",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # NOTE: the conftest imports its rules
     (tmp_path / "tests" / "test_ok.py").write_text("def test_ok():\n    assert True\n")
     return tmp_path
 

@@ -74,8 +74,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("rdzv_backend", ["c10d", "static"])
+# NOTE: c10d, torchrun's default rendezvous, runs by default; static under -m slow
+@pytest.mark.parametrize("rdzv_backend", ["c10d", pytest.param("static", marks=pytest.mark.slow)])
 def test_driver_under_two_torchrun_agents(tmp_path, rdzv_backend):
     port = free_port()
     metrics = tmp_path / "run.jsonl"
