@@ -17,9 +17,9 @@
 // Speed (int8/fp8): one sweep over memory. Blocks go in groups of about 1024 elements: pass 1
 // reads a group for the blocks' absmaxes, pass 2 encodes it from L1 and prefetches the group
 // after next; dequantize writes outputs larger than a last-level cache with streaming stores.
-// NOTE: not common.h (torch/extension.h, pybind11): this file needs ATen and the op registry
-// only, and compiles several times faster without them.
-#include "quant.h"
+// NOTE: ATen's tensor and the op registry only (no torch/extension.h): it compiles several times
+// faster without the C++ frontend and pybind11.
+#include "quant_checks.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -406,12 +406,12 @@ FLCOMM_AVX2 inline __m128i cast8(__m256 y) {
   if constexpr (F == Fmt::kFp16) {
     return _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   } else {
-    // round to nearest even on the bits; NaN -> 0x7fc0 (as c10::BFloat16)
+    // round to nearest even on the bits; NaN -> kBf16NaNBits (as c10::BFloat16)
     const __m256i bits = _mm256_castps_si256(y);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
     __m256i t = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q));
-    t = _mm256_blendv_epi8(t, _mm256_set1_epi32(0x7fc0), nan);
+    t = _mm256_blendv_epi8(t, _mm256_set1_epi32(kBf16NaNBits), nan);
     const __m256i p = _mm256_packus_epi32(t, t);  // lanes: t0-3 t0-3 | t4-7 t4-7
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08));
   }

@@ -8,16 +8,25 @@
 //
 // The kernel moves whole chunks as bytes, so it is dtype-agnostic (FSDP2 all-gathers uint8
 // buffers when parameters have mixed dtypes).
-#include "common.h"
-
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
 
+// Input checks that name what was expected and what came.
+#define FLCOMM_CHECK_CONTIGUOUS(t) \
+  TORCH_CHECK((t).is_contiguous(), #t " must be contiguous, got strides ", (t).strides())
+#define FLCOMM_CHECK_SAME_DEVICE(a, b)                                                  \
+  TORCH_CHECK((a).device() == (b).device(), #a " and " #b " must be on one device, got ", \
+              (a).device(), " and ", (b).device())
+
 namespace flcomm {
 
-// Shared with reorder_cuda.cu: validates the operands of shard_transpose_out.
+// Shared with the CUDA operator (cuda_ops.cpp): validates the operands of shard_transpose_out.
 void check_shard_transpose(const at::Tensor& input, int64_t rows, int64_t cols,
                            const at::Tensor& out) {
   TORCH_CHECK(rows >= 1 && cols >= 1, "shard_transpose: rows and cols must be >= 1, got rows=", rows,
