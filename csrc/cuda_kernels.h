@@ -1,5 +1,5 @@
 // The CUDA kernels' host entry points: raw pointers, sizes and a stream, no torch types, so the
-// .cu files compile without torch's headers. The operators (cuda_ops.cpp) check the tensors, set
+// .cu files compile without torch's headers. The operators (quant.cpp, reorder.cpp) check the tensors, set
 // the device and pass torch's current stream; each launcher throws (common.h) on a launch error.
 #pragma once
 

@@ -1,5 +1,5 @@
-// The argument checks of the quantization operators (CPU: quant.cpp, CUDA: cuda_ops.cpp), on
-// top of the torch-free formats and layout of quant.h.
+// The argument checks of the quantization operators (quant.cpp, both devices), on top of the
+// torch-free formats and layout of quant.h.
 #pragma once
 
 #include "quant.h"

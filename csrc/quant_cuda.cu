@@ -1,5 +1,5 @@
 // CUDA quantization kernels behind the torch operators flcomm::quantize, flcomm::dequantize and
-// flcomm::quantize_error_feedback (cuda_ops.cpp checks the tensors and calls the launchers at the
+// flcomm::quantize_error_feedback (quant.cpp checks the tensors and calls the launchers at the
 // end of this file on torch's current stream); see quant.h for the formats and the layout.
 //
 // Loads and stores are vectorized (float4 / 16-byte words) when the pointers are 16-byte aligned

@@ -1,5 +1,5 @@
 // The shard reorder of the hierarchical collectives: the CUDA kernel (see reorder.cpp for what it
-// computes). cuda_ops.cpp checks the tensors and calls shard_transpose here with torch's current
+// computes). reorder.cpp checks the tensors and calls shard_transpose here with torch's current
 // stream under a device guard, so it is ordered with FSDP's own streams like any other op.
 // NOTE: no torch headers (they cost nvcc minutes): raw pointers and a stream only.
 #include "common.h"
