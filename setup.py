@@ -190,7 +190,10 @@ def extensions():
         raise SystemExit("FLCOMM_CUDA=1 but CUDA cannot be built: " + "; ".join(reasons))
 
     debug = os.environ.get("DEBUG", "0") == "1"
-    opt = ["-O0", "-g"] if debug else ["-O3"]
+    # NOTE: -g0 drops the -g of Python's own CFLAGS (distutils puts it first, ours come last): debug
+    # info for torch's headers is most of a host object's compile time and size, and it does not
+    # change the generated code. DEBUG=1 keeps it.
+    opt = ["-O0", "-g"] if debug else ["-O3", "-g0"]
     # NOTE: torch picks -std (C++20 since 2.13). -ffp-contract=off: GCC fuses a * b + c (vector
     # intrinsics included) into an FMA wherever FMA is enabled, as it is in quant.cpp's AVX-512
     # functions; the fused rounding would break the bit-for-bit match with the reference.

@@ -2,15 +2,21 @@
 // headers it names), implementations in their own source files.
 #include "ops.h"
 
+// NOTE: not torch/extension.h (the whole C++ frontend: autograd, nn, optim): the op registry and
+// torch's pybind11 glue (the at::Tensor caster) are all this file needs, at a fraction of the
+// compile time.
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
+
 // ---- torch operators: schemas here, implementations per device in their own files ----
 TORCH_LIBRARY(flcomm, m) {
   // [quantization kernels]
-  // quant.cpp / quant_cuda.cu (layout in quant.h): fmt is int8, fp8, bf16 or fp16
+  // quant.cpp (+ quant_cuda.cu: CUDA kernels; layout in quant.h): fmt is int8, fp8, bf16 or fp16
   m.def("quantize(Tensor x, Tensor(a!) out, str fmt, int block_size) -> ()");
   m.def("dequantize(Tensor buf, Tensor(a!) out, str fmt, int block_size, bool accumulate) -> ()");
   m.def("quantize_error_feedback(Tensor x, Tensor(a!) residual, Tensor(a!) out, str fmt, int block_size) -> ()");
   // [reorder kernels]
-  // reorder.cpp / reorder_cuda.cu: view input as [rows, cols, chunk], write [cols, rows, chunk]
+  // reorder.cpp (+ reorder_cuda.cu): view input as [rows, cols, chunk], write [cols, rows, chunk]
   m.def("shard_transpose(Tensor input, int rows, int cols) -> Tensor");
   m.def("shard_transpose_out(Tensor input, int rows, int cols, Tensor(a!) out) -> Tensor(a!)");
 }

@@ -1,6 +1,7 @@
 // Build information: what this binary was compiled with.
+#include "info.h"
+
 #include "common.h"
-#include "ops.h"
 
 // setup.py passes the arches as a bare token (80_90): quotes do not survive the build files.
 #define FLCOMM_STR_(x) #x

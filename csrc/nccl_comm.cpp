@@ -7,6 +7,8 @@
 
 #include "common.h"
 
+#include <c10/util/Exception.h>
+
 #ifdef FLCOMM_WITH_NCCL
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -1,5 +1,7 @@
-// CPU quantization kernels (torch operators flcomm::quantize, flcomm::dequantize,
-// flcomm::quantize_error_feedback), see quant.h for the formats and the layout.
+// The quantization operators flcomm::quantize, flcomm::dequantize and
+// flcomm::quantize_error_feedback (see quant.h for the formats and the layout): the CPU kernels,
+// and, with FLCOMM_WITH_CUDA, the CUDA implementations, which check the same arguments and launch
+// quant_cuda.cu's kernels (cuda_kernels.h) on torch's current stream under a device guard.
 //
 // Parallelism: at::parallel_for over whole blocks (int8/fp8) or element ranges (casts).
 // Vector units: AVX-512 (F+BW; int8/fp8) and AVX2 (+F16C) paths chosen at run time; a portable
@@ -17,11 +19,17 @@
 // Speed (int8/fp8): one sweep over memory. Blocks go in groups of about 1024 elements: pass 1
 // reads a group for the blocks' absmaxes, pass 2 encodes it from L1 and prefetches the group
 // after next; dequantize writes outputs larger than a last-level cache with streaming stores.
-// NOTE: not common.h (torch/extension.h, pybind11): this file needs ATen and the op registry
-// only, and compiles several times faster without them.
-#include "quant.h"
+// NOTE: ATen's tensor and the op registry only (no torch/extension.h): it compiles several times
+// faster without the C++ frontend and pybind11.
+#include "quant_checks.h"
 
 #include <ATen/Parallel.h>
+#ifdef FLCOMM_WITH_CUDA
+#include "cuda_kernels.h"
+// NOTE: not ATen/cuda/CUDAContext.h: it pulls in cusparse.h, which this toolkit lacks.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
@@ -406,12 +414,12 @@ FLCOMM_AVX2 inline __m128i cast8(__m256 y) {
   if constexpr (F == Fmt::kFp16) {
     return _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   } else {
-    // round to nearest even on the bits; NaN -> 0x7fc0 (as c10::BFloat16)
+    // round to nearest even on the bits; NaN -> kBf16NaNBits (as c10::BFloat16)
     const __m256i bits = _mm256_castps_si256(y);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
     __m256i t = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q));
-    t = _mm256_blendv_epi8(t, _mm256_set1_epi32(0x7fc0), nan);
+    t = _mm256_blendv_epi8(t, _mm256_set1_epi32(kBf16NaNBits), nan);
     const __m256i p = _mm256_packus_epi32(t, t);  // lanes: t0-3 t0-3 | t4-7 t4-7
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08));
   }
@@ -718,3 +726,46 @@ TORCH_LIBRARY_IMPL(flcomm, CPU, m) {
   m.impl("dequantize", &flcomm::quant::dequantize_cpu);
   m.impl("quantize_error_feedback", &flcomm::quant::quantize_error_feedback_cpu);
 }
+
+#ifdef FLCOMM_WITH_CUDA
+namespace flcomm {
+namespace quant {
+namespace {
+
+void quantize_cuda(const at::Tensor& x, at::Tensor& out, c10::string_view fmt, int64_t block_size) {
+  const Fmt f = check_args(x, "x", out, fmt, block_size);
+  if (x.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  cuda::quantize(f, x.data_ptr<float>(), nullptr, out.data_ptr<uint8_t>(), x.numel(), block_size,
+                 c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+}
+
+void dequantize_cuda(const at::Tensor& buf, at::Tensor& out, c10::string_view fmt, int64_t block_size,
+                     bool accumulate) {
+  const Fmt f = check_args(out, "out", buf, fmt, block_size);
+  if (out.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  cuda::dequantize(f, buf.data_ptr<uint8_t>(), out.data_ptr<float>(), out.numel(), block_size, accumulate,
+                   c10::cuda::getCurrentCUDAStream(out.device().index()).stream());
+}
+
+void quantize_error_feedback_cuda(const at::Tensor& x, at::Tensor& residual, at::Tensor& out,
+                                  c10::string_view fmt, int64_t block_size) {
+  const Fmt f = check_args(x, "x", out, fmt, block_size);
+  check_residual(x, residual);
+  if (x.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  cuda::quantize(f, x.data_ptr<float>(), residual.data_ptr<float>(), out.data_ptr<uint8_t>(), x.numel(),
+                 block_size, c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+}
+
+}  // namespace
+}  // namespace quant
+}  // namespace flcomm
+
+TORCH_LIBRARY_IMPL(flcomm, CUDA, m) {
+  m.impl("quantize", &flcomm::quant::quantize_cuda);
+  m.impl("dequantize", &flcomm::quant::dequantize_cuda);
+  m.impl("quantize_error_feedback", &flcomm::quant::quantize_error_feedback_cuda);
+}
+#endif  // FLCOMM_WITH_CUDA

@@ -1,6 +1,7 @@
-// Quantization kernels: formats, the encoded-buffer layout and the argument checks shared by the
-// CPU (quant.cpp) and CUDA (quant_cuda.cu) implementations. The layout must match
-// flcomm/kernels.py:
+// Quantization formats: the encoded-buffer layout, the non-finite / tiny-block rule and its
+// constants, shared by the CPU (quant.cpp) and CUDA (quant_cuda.cu) kernels. No torch headers:
+// nvcc compiles this into the kernels (quant_checks.h has the tensor checks). The layout must
+// match flcomm/kernels.py:
 //
 //   [ payload: numel * itemsize bytes, zero-padded to a multiple of 16 ]
 //   [ scales:  ceil(numel / block_size) float32, zero-padded to a multiple of 16 ]  (int8, fp8)
@@ -20,42 +21,29 @@
 //      before `* inv`, with inv = qmax / (absmax * 2^64): both exact, so inv never overflows and
 //      the elements encode as if they were of normal size; scale = absmax / qmax as always;
 //   4. absmax == 0: scale 0, inv 0, payload 0 (-0.0 encodes as fp8 0x80, as the casts do);
-//   5. casts keep NaN and +-Inf (c10's conversions).
+//   5. casts keep NaN and +-Inf (c10's conversions), with the NaN bits below.
 // No path may flush subnormals to zero (setup.py builds the CUDA code with -ftz=false).
 //
 // Alignment: the encoded buffer must start at a 4-byte (int8, fp8: float32 scales) or 2-byte
-// (bf16, fp16) aligned address; check_args rejects others before any launch.
+// (bf16, fp16) aligned address; check_args (quant_checks.h) rejects others before any launch.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <c10/util/Exception.h>
-
 #include <cstdint>
-#include <string_view>
 
 namespace flcomm {
 namespace quant {
 
 enum class Fmt : int { kInt8 = 0, kFp8 = 1, kBf16 = 2, kFp16 = 3 };
 
-inline Fmt parse_fmt(std::string_view s) {
-  if (s == "int8") return Fmt::kInt8;
-  if (s == "fp8") return Fmt::kFp8;
-  if (s == "bf16") return Fmt::kBf16;
-  if (s == "fp16") return Fmt::kFp16;
-  TORCH_CHECK(false, "quantization format must be one of int8, fp8, bf16, fp16, got '", std::string(s), "'");
+constexpr bool blocked(Fmt f) { return f == Fmt::kInt8 || f == Fmt::kFp8; }
+constexpr int64_t itemsize(Fmt f) { return blocked(f) ? 1 : 2; }
+constexpr int64_t align16(int64_t n) { return (n + 15) / 16 * 16; }
+constexpr int64_t num_blocks(int64_t numel, int64_t block) { return (numel + block - 1) / block; }
+constexpr int64_t payload_nbytes(int64_t numel, Fmt f) { return align16(numel * itemsize(f)); }
+constexpr int64_t encoded_nbytes(int64_t numel, Fmt f, int64_t block) {
+  return payload_nbytes(numel, f) + (blocked(f) ? align16(4 * num_blocks(numel, block)) : 0);
 }
-
-inline bool blocked(Fmt f) { return f == Fmt::kInt8 || f == Fmt::kFp8; }
-inline int64_t itemsize(Fmt f) { return blocked(f) ? 1 : 2; }
-inline int64_t align16(int64_t n) { return (n + 15) / 16 * 16; }
-inline int64_t num_blocks(int64_t numel, int64_t block) { return (numel + block - 1) / block; }
-inline int64_t payload_nbytes(int64_t numel, Fmt f) { return align16(numel * itemsize(f)); }
-inline int64_t encoded_nbytes(int64_t numel, Fmt f, int64_t block) {
-  int64_t n = payload_nbytes(numel, f);
-  if (blocked(f)) n += align16(4 * num_blocks(numel, block));
-  return n;
-}
+constexpr int64_t buf_alignment(Fmt f) { return blocked(f) ? 4 : 2; }
 
 constexpr float kInt8Max = 127.0f;
 constexpr float kFp8Max = 448.0f;
@@ -64,40 +52,21 @@ constexpr float kTinyPrescale = 0x1p64f;
 constexpr uint32_t kInfBits = 0x7f800000u;  // absmax bits at or above it: not finite (rule 2)
 constexpr uint32_t kNaNBits = 0x7fc00000u;  // the scale of a non-finite block (torch's NaN)
 
-inline int64_t buf_alignment(Fmt f) { return blocked(f) ? 4 : 2; }
-
-inline void check_fp32(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
-}
-
-// Checks of one kernel call; returns the parsed format.
-inline Fmt check_args(const at::Tensor& fp32, const char* fp32_name, const at::Tensor& buf,
-                      std::string_view fmt, int64_t block_size) {
-  Fmt f = parse_fmt(fmt);
-  TORCH_CHECK(block_size >= 1, "block_size must be >= 1, got ", block_size);
-  check_fp32(fp32, fp32_name);
-  TORCH_CHECK(buf.scalar_type() == at::kByte, "the encoded buffer must be uint8, got ", buf.scalar_type());
-  TORCH_CHECK(buf.is_contiguous(), "the encoded buffer must be contiguous");
-  const auto addr = reinterpret_cast<uintptr_t>(buf.data_ptr());
-  TORCH_CHECK(buf.numel() == 0 || addr % buf_alignment(f) == 0, "the encoded buffer must start at a ",
-              buf_alignment(f), "-byte aligned address for ", fmt, ", got address ", addr,
-              " (a uint8 view at an odd offset?)");
-  TORCH_CHECK(buf.device() == fp32.device(), "the encoded buffer and ", fp32_name,
-              " must be on one device, got ", buf.device(), " and ", fp32.device());
-  const int64_t want = encoded_nbytes(fp32.numel(), f, block_size);
-  TORCH_CHECK(buf.numel() == want, "the encoded buffer of ", fp32.numel(), " elements (", fmt,
-              ", block ", block_size, ") must hold ", want, " bytes, got ", buf.numel());
-  return f;
-}
-
-inline void check_residual(const at::Tensor& x, const at::Tensor& residual) {
-  check_fp32(residual, "residual");
-  TORCH_CHECK(residual.numel() == x.numel(), "residual must have ", x.numel(), " elements like x, got ",
-              residual.numel());
-  TORCH_CHECK(residual.device() == x.device(), "residual and x must be on one device, got ",
-              residual.device(), " and ", x.device());
-}
+// The NaN of the 16-bit casts (quantize fmt "bf16" / "fp16"), as the CPU writes it: c10's host
+// conversions, which the plain-torch reference and quant.cpp's scalar path use, and quant.cpp's
+// AVX2 path for torch's NaN (0x7fc00000 and its negation).
+//   bf16: every NaN is kBf16NaNBits (sign and payload dropped; c10::BFloat16, torch's CPU cast);
+//   fp16: a NaN is its sign | kFp16NaNBits (payload dropped; c10::Half without F16C).
+// CUDA's conversions (__float2bfloat16, __float2half, which c10 calls in device code) write 0x7fff
+// instead, so quant_cuda.cu writes these constants itself.
+// NOTE: two gaps remain for fp16. quant.cpp's AVX2 cast (F16C) keeps the top 9 payload bits of a
+// NaN, where c10 without F16C drops them, so the CPU paths differ for NaNs with a payload. And the
+// sign of a NaN made by arithmetic (error feedback's x + r) differs by device: CUDA's is its
+// canonical positive NaN, x86 keeps a NaN operand's sign and makes inf - inf negative. Dropping
+// the sign too (every NaN -> 0x7e00, as bf16 does) on every path would close both.
+constexpr uint16_t kBf16NaNBits = 0x7fc0;
+constexpr uint16_t kFp16NaNBits = 0x7e00;
+constexpr uint16_t kFp16SignBit = 0x8000;
 
 }  // namespace quant
 }  // namespace flcomm

@@ -1,27 +1,28 @@
-// CUDA quantization kernels (torch operators flcomm::quantize, flcomm::dequantize,
-// flcomm::quantize_error_feedback), see quant.h for the formats and the layout.
+// CUDA quantization kernels behind the torch operators flcomm::quantize, flcomm::dequantize and
+// flcomm::quantize_error_feedback (quant.cpp checks the tensors and calls the launchers at the
+// end of this file on torch's current stream); see quant.h for the formats and the layout.
 //
-// Each launch runs on the caller's current stream under a device guard. Loads and stores are
-// vectorized (float4 / 16-byte words) when the pointers are 16-byte aligned and the block size
-// allows it, with a scalar fallback. The arithmetic uses explicitly rounded intrinsics
-// (__fdiv_rn, __fmul_rn, __fadd_rn, rintf) so that FMA contraction cannot change the result, and
-// setup.py builds without flush-to-zero (-ftz=false; tests/test_kernels.py checks the PTX): the
-// bits match the CPU kernels and the plain-torch reference, subnormals and the non-finite /
-// tiny-block rule of quant.h included.
+// Loads and stores are vectorized (float4 / 16-byte words) when the pointers are 16-byte aligned
+// and the block size allows it, with a scalar fallback. The arithmetic uses explicitly rounded
+// intrinsics (__fdiv_rn, __fmul_rn, __fadd_rn, rintf) so that FMA contraction cannot change the
+// result, and setup.py builds without flush-to-zero (-ftz=false; tests/test_native.py checks the
+// PTX): the bits match the CPU kernels and the plain-torch reference, subnormals and the
+// non-finite / tiny-block rule of quant.h included.
 //
-// Alignment: the host checks (check_args) that the encoded buffer is 4-byte (int8, fp8) or 2-byte
-// (casts) aligned, which the scalar fallbacks' float / uint16 accesses need; the vector paths
-// are only taken for 16-byte aligned pointers.
+// Alignment: the operators check (check_args) that the encoded buffer is 4-byte (int8, fp8) or
+// 2-byte (casts) aligned, which the scalar fallbacks' float / uint16 accesses need; the vector
+// paths are only taken for 16-byte aligned pointers.
+//
+// NOTE: no ATen / torch headers (they cost nvcc minutes); only c10's header-only scalar types,
+// whose conversions the CPU kernels and the reference use too.
 #include "common.h"
+#include "cuda_kernels.h"
 #include "quant.h"
 
-// NOTE: not ATen/cuda/CUDAContext.h: it pulls in cusparse.h, which this toolkit lacks.
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
+#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -206,7 +207,7 @@ __device__ __forceinline__ float uncast_elem(uint16_t b) {
   }
 }
 
-// NOTE: a NaN gets the CPU's NaN bits (common.h kBf16NaNBits / kFp16NaNBits), not CUDA's 0x7fff,
+// NOTE: a NaN gets the CPU's NaN bits (quant.h kBf16NaNBits / kFp16NaNBits), not CUDA's 0x7fff,
 // so the encoded bytes are the CPU's bit for bit.
 template <Fmt F>
 __device__ __forceinline__ uint16_t nan_bits(float y) {
@@ -373,43 +374,28 @@ void dequant_dispatch(Fmt f, const uint8_t* buf, float* out, int64_t n, int64_t 
   }
 }
 
-void quantize_cuda(const at::Tensor& x, at::Tensor& out, c10::string_view fmt, int64_t block_size) {
-  const Fmt f = check_args(x, "x", out, fmt, block_size);
-  if (x.numel() == 0) return;
-  const c10::cuda::CUDAGuard guard(x.device());
-  quant_dispatch<false>(f, x.data_ptr<float>(), nullptr, out.data_ptr<uint8_t>(), x.numel(), block_size,
-                        c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
-}
+}  // namespace
+}  // namespace quant
 
-void dequantize_cuda(const at::Tensor& buf, at::Tensor& out, c10::string_view fmt, int64_t block_size,
-                     bool accumulate) {
-  const Fmt f = check_args(out, "out", buf, fmt, block_size);
-  if (out.numel() == 0) return;
-  const c10::cuda::CUDAGuard guard(out.device());
-  const cudaStream_t st = c10::cuda::getCurrentCUDAStream(out.device().index()).stream();
-  if (accumulate) {
-    dequant_dispatch<true>(f, buf.data_ptr<uint8_t>(), out.data_ptr<float>(), out.numel(), block_size, st);
+namespace cuda {
+
+void quantize(quant::Fmt f, const float* x, float* residual, uint8_t* buf, int64_t n, int64_t block,
+              cudaStream_t stream) {
+  if (residual != nullptr) {
+    quant::quant_dispatch<true>(f, x, residual, buf, n, block, stream);
   } else {
-    dequant_dispatch<false>(f, buf.data_ptr<uint8_t>(), out.data_ptr<float>(), out.numel(), block_size, st);
+    quant::quant_dispatch<false>(f, x, nullptr, buf, n, block, stream);
   }
 }
 
-void quantize_error_feedback_cuda(const at::Tensor& x, at::Tensor& residual, at::Tensor& out,
-                                  c10::string_view fmt, int64_t block_size) {
-  const Fmt f = check_args(x, "x", out, fmt, block_size);
-  check_residual(x, residual);
-  if (x.numel() == 0) return;
-  const c10::cuda::CUDAGuard guard(x.device());
-  quant_dispatch<true>(f, x.data_ptr<float>(), residual.data_ptr<float>(), out.data_ptr<uint8_t>(), x.numel(),
-                       block_size, c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+void dequantize(quant::Fmt f, const uint8_t* buf, float* out, int64_t n, int64_t block, bool accumulate,
+                cudaStream_t stream) {
+  if (accumulate) {
+    quant::dequant_dispatch<true>(f, buf, out, n, block, stream);
+  } else {
+    quant::dequant_dispatch<false>(f, buf, out, n, block, stream);
+  }
 }
 
-}  // namespace
-}  // namespace quant
+}  // namespace cuda
 }  // namespace flcomm
-
-TORCH_LIBRARY_IMPL(flcomm, CUDA, m) {
-  m.impl("quantize", &flcomm::quant::quantize_cuda);
-  m.impl("dequantize", &flcomm::quant::dequantize_cuda);
-  m.impl("quantize_error_feedback", &flcomm::quant::quantize_error_feedback_cuda);
-}

@@ -1,4 +1,7 @@
-// The shard reorder of the hierarchical collectives (CPU implementation and shared checks).
+// The shard reorder of the hierarchical collectives: the operators flcomm::shard_transpose(_out),
+// CPU kernel and, with FLCOMM_WITH_CUDA, the CUDA implementation (the same checks, then
+// reorder_cuda.cu's kernel on torch's current stream under a device guard, so it is ordered with
+// FSDP's own streams like any other op).
 //
 // `shard_transpose` views a flat buffer as [rows, cols, chunk] and writes its transpose
 // [cols, rows, chunk]: block (i, j) moves to position (j, i). With rows = nodes and
@@ -8,16 +11,31 @@
 //
 // The kernel moves whole chunks as bytes, so it is dtype-agnostic (FSDP2 all-gathers uint8
 // buffers when parameters have mixed dtypes).
-#include "common.h"
-
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+#ifdef FLCOMM_WITH_CUDA
+#include "cuda_kernels.h"
+// NOTE: not ATen/cuda/CUDAContext.h: it pulls in cusparse.h, which this toolkit lacks.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 #include <algorithm>
 #include <cstring>
 
-namespace flcomm {
+// Input checks that name what was expected and what came.
+#define FLCOMM_CHECK_CONTIGUOUS(t) \
+  TORCH_CHECK((t).is_contiguous(), #t " must be contiguous, got strides ", (t).strides())
+#define FLCOMM_CHECK_SAME_DEVICE(a, b)                                                  \
+  TORCH_CHECK((a).device() == (b).device(), #a " and " #b " must be on one device, got ", \
+              (a).device(), " and ", (b).device())
 
-// Shared with reorder_cuda.cu: validates the operands of shard_transpose_out.
+namespace flcomm {
+namespace {
+
+// The operands of shard_transpose_out, on either device.
 void check_shard_transpose(const at::Tensor& input, int64_t rows, int64_t cols,
                            const at::Tensor& out) {
   TORCH_CHECK(rows >= 1 && cols >= 1, "shard_transpose: rows and cols must be >= 1, got rows=", rows,
@@ -40,8 +58,6 @@ void check_shard_transpose(const at::Tensor& input, int64_t rows, int64_t cols,
                 "shard_transpose: out must not overlap input (the transpose is out of place)");
   }
 }
-
-namespace {
 
 // NOTE: a task is a piece of at most kPiece bytes of one chunk, so a few large chunks (e.g.
 // 2 nodes x 2 ranks of a 100 MB gradient bucket) still spread over every core.
@@ -69,11 +85,33 @@ at::Tensor& shard_transpose_out_cpu(const at::Tensor& input, int64_t rows, int64
   return out;
 }
 
+// NOTE: new_empty (a Tensor method) rather than at::empty_like: the same contiguous tensor of
+// input's dtype and device, without ATen/ops/empty_like.h, which adds most of ATen's headers.
+at::Tensor empty_out(const at::Tensor& input) { return input.new_empty(input.sizes()); }
+
 at::Tensor shard_transpose_cpu(const at::Tensor& input, int64_t rows, int64_t cols) {
-  auto out = at::empty_like(input, at::MemoryFormat::Contiguous);
+  auto out = empty_out(input);
   shard_transpose_out_cpu(input, rows, cols, out);
   return out;
 }
+
+#ifdef FLCOMM_WITH_CUDA
+at::Tensor& shard_transpose_out_cuda(const at::Tensor& input, int64_t rows, int64_t cols, at::Tensor& out) {
+  check_shard_transpose(input, rows, cols, out);
+  const int64_t chunk_bytes = input.numel() / (rows * cols) * static_cast<int64_t>(input.element_size());
+  if (chunk_bytes == 0) return out;
+  const c10::cuda::OptionalCUDAGuard guard(input.device());
+  cuda::shard_transpose(input.const_data_ptr(), out.data_ptr(), rows, cols, chunk_bytes,
+                        c10::cuda::getCurrentCUDAStream(input.device().index()).stream());
+  return out;
+}
+
+at::Tensor shard_transpose_cuda(const at::Tensor& input, int64_t rows, int64_t cols) {
+  auto out = empty_out(input);
+  shard_transpose_out_cuda(input, rows, cols, out);
+  return out;
+}
+#endif  // FLCOMM_WITH_CUDA
 
 }  // namespace
 
@@ -81,5 +119,12 @@ TORCH_LIBRARY_IMPL(flcomm, CPU, m) {
   m.impl("shard_transpose", &shard_transpose_cpu);
   m.impl("shard_transpose_out", &shard_transpose_out_cpu);
 }
+
+#ifdef FLCOMM_WITH_CUDA
+TORCH_LIBRARY_IMPL(flcomm, CUDA, m) {
+  m.impl("shard_transpose", &shard_transpose_cuda);
+  m.impl("shard_transpose_out", &shard_transpose_out_cuda);
+}
+#endif
 
 }  // namespace flcomm

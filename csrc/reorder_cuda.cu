@@ -1,20 +1,17 @@
-// The shard reorder of the hierarchical collectives: CUDA implementation (see reorder.cpp for
-// what it computes). One launch on the caller's current stream, under a device guard, so it is
-// ordered with FSDP's own streams like any other op.
+// The shard reorder of the hierarchical collectives: the CUDA kernel (see reorder.cpp for what it
+// computes). reorder.cpp checks the tensors and calls shard_transpose here with torch's current
+// stream under a device guard, so it is ordered with FSDP's own streams like any other op.
+// NOTE: no torch headers (they cost nvcc minutes): raw pointers and a stream only.
 #include "common.h"
+#include "cuda_kernels.h"
 
-// NOTE: not ATen/cuda/CUDAContext.h: it pulls in cusparse.h, which this toolkit lacks.
-#include <c10/cuda/CUDAStream.h>
-#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 
 namespace flcomm {
-
-// Defined in reorder.cpp.
-void check_shard_transpose(const at::Tensor& input, int64_t rows, int64_t cols, const at::Tensor& out);
-
+namespace cuda {
 namespace {
 
 // Copies block b = i * cols + j of `in` ([rows, cols, cw] vectors of V) to block j * rows + i of
@@ -51,15 +48,10 @@ void launch(const void* in, void* out, int64_t rows, int64_t cols, int64_t chunk
   FLCOMM_CUDA_CHECK(cudaGetLastError());
 }
 
-at::Tensor& shard_transpose_out_cuda(const at::Tensor& input, int64_t rows, int64_t cols, at::Tensor& out) {
-  check_shard_transpose(input, rows, cols, out);
-  const int64_t blocks = rows * cols;
-  const int64_t chunk_bytes = input.numel() / blocks * static_cast<int64_t>(input.element_size());
-  if (chunk_bytes == 0) return out;
-  const c10::cuda::OptionalCUDAGuard guard(input.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const void* src = input.const_data_ptr();
-  void* dst = out.data_ptr();
+}  // namespace
+
+void shard_transpose(const void* src, void* dst, int64_t rows, int64_t cols, int64_t chunk_bytes,
+                     cudaStream_t stream) {
   // The widest vector that divides the chunk and both base addresses: 16-byte loads for the
   // usual case (fp32 chunks of a multiple of 4 elements).
   const auto align = reinterpret_cast<std::uintptr_t>(src) | reinterpret_cast<std::uintptr_t>(dst) |
@@ -75,20 +67,7 @@ at::Tensor& shard_transpose_out_cuda(const at::Tensor& input, int64_t rows, int6
   } else {
     launch<uint8_t>(src, dst, rows, cols, chunk_bytes, stream);
   }
-  return out;
 }
 
-at::Tensor shard_transpose_cuda(const at::Tensor& input, int64_t rows, int64_t cols) {
-  auto out = at::empty_like(input, at::MemoryFormat::Contiguous);
-  shard_transpose_out_cuda(input, rows, cols, out);
-  return out;
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(flcomm, CUDA, m) {
-  m.impl("shard_transpose", &shard_transpose_cuda);
-  m.impl("shard_transpose_out", &shard_transpose_out_cuda);
-}
-
+}  // namespace cuda
 }  // namespace flcomm

@@ -1,6 +1,6 @@
 """The NaN bytes of the 16-bit casts (quantize fmt bf16 / fp16), against c10's own conversion.
 
-The CPU writes c10's NaN (csrc/common.h kBf16NaNBits / kFp16NaNBits): bf16 0x7fc0 for every NaN,
+The CPU writes c10's NaN (csrc/quant.h kBf16NaNBits / kFp16NaNBits): bf16 0x7fc0 for every NaN,
 fp16 the sign | 0x7e00. CUDA's conversions write 0x7fff, so the CUDA kernels write the CPU's
 bytes themselves; the GPU test checks they do, bit for bit, for torch's NaN and its negation.
 """
@@ -77,7 +77,7 @@ def test_cuda_nan_bytes_are_the_cpus(fmt):
         assert torch.equal(got, cpu)
         # error feedback: only torch's positive NaN here. NOTE: the sign of a NaN made by
         # arithmetic is not portable: CUDA's x + r is its canonical positive NaN, x86 keeps a
-        # negative operand's sign (csrc/common.h)
+        # negative operand's sign (csrc/quant.h)
         pos = torch.where(xs.isnan(), torch.full_like(xs, float("nan")), xs)
         r = torch.zeros(n, device="cuda")
         got_ef = payload_bits(kernels.quantize_error_feedback(pos.cuda(), r, fmt=fmt, backend="native").cpu(), n,

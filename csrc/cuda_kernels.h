@@ -1,0 +1,29 @@
+// The CUDA kernels' host entry points: raw pointers, sizes and a stream, no torch types, so the
+// .cu files compile without torch's headers. The operators (quant.cpp, reorder.cpp) check the tensors, set
+// the device and pass torch's current stream; each launcher throws (common.h) on a launch error.
+#pragma once
+
+#include "quant.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace flcomm {
+namespace cuda {
+
+// quant_cuda.cu. quantize: `n` floats of `x` (plus `residual` for error feedback, else nullptr,
+// which then gets the new residual) into the encoded buffer `buf` of encoded_nbytes(n, f, block)
+// bytes. dequantize: `buf` into (accumulate: onto) the `n` floats of `out`.
+void quantize(quant::Fmt f, const float* x, float* residual, uint8_t* buf, int64_t n, int64_t block,
+              cudaStream_t stream);
+void dequantize(quant::Fmt f, const uint8_t* buf, float* out, int64_t n, int64_t block, bool accumulate,
+                cudaStream_t stream);
+
+// reorder_cuda.cu: [rows, cols] chunks of `chunk_bytes` bytes of `in` to [cols, rows] in `out`
+// (chunk_bytes > 0; in and out do not overlap).
+void shard_transpose(const void* in, void* out, int64_t rows, int64_t cols, int64_t chunk_bytes,
+                     cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace flcomm

@@ -1,0 +1,84 @@
+"""The shape of the native build that keeps it cheap: which csrc files may include which headers,
+and that every operator still gets a CUDA implementation in a CUDA build.
+
+NOTE: compile time on a 2-core CI machine is dominated by torch's headers: torch/extension.h
+(the whole C++ frontend and pybind11) costs a host compile about a minute, and nvcc pays for
+ATen twice (host and device pass). So the .cu files include no ATen / torch headers (raw-pointer
+launchers, cuda_kernels.h), and only the binding file includes the Python glue.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CSRC = os.path.join(ROOT, "csrc")
+INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
+
+# c10's header-only scalar types: the conversions the CPU kernels and the reference use too.
+CUDA_ALLOWED_TORCH = {"c10/util/BFloat16.h", "c10/util/Float8_e4m3fn.h", "c10/util/Half.h"}
+TORCH_PREFIXES = ("ATen/", "torch/", "c10/", "pybind11/", "Python.h")
+PYTHON_GLUE = ("torch/extension.h", "torch/python.h", "torch/all.h", "torch/torch.h", "torch/csrc/", "pybind11/",
+               "Python.h")
+# Most of ATen's headers: ATen/ops/empty_like.h alone preprocesses to 174k lines (torch 2.14),
+# ATen/core/Tensor.h, whose Tensor methods do the same work, to 107k.
+ATEN_FUNCTIONS = ("ATen/ATen.h", "ATen/Functions.h", "ATen/ops/")
+
+
+def includes(name: str, seen: set[str] | None = None) -> set[str]:
+    """Every header `name` includes, following flcomm's own headers in csrc/."""
+    seen = set() if seen is None else seen
+    with open(os.path.join(CSRC, name)) as f:
+        for inc in INCLUDE.findall(f.read()):
+            if inc in seen:
+                continue
+            seen.add(inc)
+            if os.path.exists(os.path.join(CSRC, inc)):
+                includes(inc, seen)
+    return seen
+
+
+def sources(ext: str) -> list[str]:
+    return sorted(n for n in os.listdir(CSRC) if n.endswith(ext))
+
+
+def test_includes_follow_flcomm_headers():
+    """The helper itself: quant.cpp reaches ATen through quant_checks.h, not directly."""
+    got = includes("quant.cpp")
+    assert {"quant_checks.h", "quant.h", "ATen/core/Tensor.h"} <= got, sorted(got)
+
+
+@pytest.mark.parametrize("cu", sources(".cu"))
+def test_cuda_sources_include_no_torch_headers(cu):
+    torch_headers = {h for h in includes(cu) if h.startswith(TORCH_PREFIXES)}
+    extra = sorted(torch_headers - CUDA_ALLOWED_TORCH)
+    assert not extra, (f"csrc/{cu} must compile without ATen / torch headers (only {sorted(CUDA_ALLOWED_TORCH)}); "
+                       f"it includes {extra}: the torch-facing code belongs in the operator's .cpp")
+
+
+@pytest.mark.parametrize("src", [s for s in sources(".cpp") if s != "bindings.cpp"])
+def test_only_the_binding_file_includes_the_python_glue(src):
+    glue = sorted(h for h in includes(src) if h.startswith(PYTHON_GLUE + ATEN_FUNCTIONS))
+    assert not glue, (f"csrc/{src} includes {glue}: only bindings.cpp needs torch's Python glue, and none needs ATen's "
+                      f"functions; use ATen/core/Tensor.h (Tensor methods), c10 headers or torch/library.h")
+
+
+def test_cuda_build_registers_every_operator_for_cuda():
+    """The CUDA implementations in quant.cpp / reorder.cpp compile only with FLCOMM_WITH_CUDA: a
+    CUDA build must define it for the C++ sources too, or the kernels would be built and never
+    registered."""
+    from flcomm import _native
+    from flcomm.info import build_info
+
+    if not _native.available():
+        pytest.skip(f"flcomm._C not built: {_native.unavailable_reason()}")
+    info = build_info()
+    expected = {"quantize", "dequantize", "quantize_error_feedback", "shard_transpose", "shard_transpose_out"}
+    assert set(info["cpu_kernels"]) == expected, info["cpu_kernels"]
+    if not info["cuda_compiled"]:
+        assert info["cuda_kernels"] == [], info["cuda_kernels"]
+        return
+    assert set(info["cuda_kernels"]) == expected, f"CUDA build without CUDA kernels for {expected - set(info['cuda_kernels'])}"
