@@ -42,8 +42,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import (DTYPES, HEADER, Env, Record, add_common_args, format_row, launch,  # noqa: E402
-                          make_record, max_over_ranks, size_sweep, time_op, write_json)
+from bench.common import (  # noqa: E402
+    DTYPES,
+    HEADER,
+    Env,
+    Record,
+    add_common_args,
+    format_row,
+    launch,
+    make_record,
+    max_over_ranks,
+    size_sweep,
+    time_op,
+    write_json,
+)
 
 COLLECTIVES = ("reduce_scatter", "all_gather", "all_reduce")
 

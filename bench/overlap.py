@@ -60,8 +60,8 @@ def _build(a: argparse.Namespace, mesh: Any, codec: str, overlap: bool) -> tuple
     """The model (sharded), its optimizer, its FedAvg and a token source (the compute-only steps
     run the same model without ``fed.step()``)."""
     from flcomm.federated.fedavg import FedAvg
-    from flcomm.train.run import shard_model
     from flcomm.train.model import build_model, get_config
+    from flcomm.train.run import shard_model
 
     model = build_model(get_config(a.model, dim=a.model_dim) if a.model_dim else a.model, seed=a.seed)
     shard_model(model, mesh)

@@ -70,7 +70,7 @@ class RunSpec:
     unsharded: bool = False
 
     @classmethod
-    def parse(cls, text: str) -> "RunSpec":
+    def parse(cls, text: str) -> RunSpec:
         parts = text.split(":")
         try:
             kw: dict[str, Any] = {"strategy": Strategy.parse(parts[0])}

@@ -73,7 +73,7 @@ class Job:
     """Handle of one submitted job. The job's function sets ``job.stage`` as it goes, so errors
     and timeouts can name the stage; ``result`` is what it returned."""
 
-    def __init__(self, name: str, fn: Callable[["Job"], Any], rank: int) -> None:
+    def __init__(self, name: str, fn: Callable[[Job], Any], rank: int) -> None:
         self.name, self._fn, self.rank = name, fn, rank
         self.stage = "queued"
         self.result: Any = None

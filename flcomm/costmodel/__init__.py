@@ -2,13 +2,31 @@
 for the model itself, :mod:`~flcomm.costmodel.search` for the crossover and the recommendation,
 :mod:`~flcomm.costmodel.probe` for ``--measure``; the CLI is ``flcomm-costmodel``)."""
 
-from flcomm.costmodel.model import (GBIT, PRESETS, Cluster, Link, Plan, Prediction, Strategy, Workload, codec_nbytes,
-                                    collective_time, compute_time_from_flops, fedavg_shard_copies, memory_per_rank,
-                                    predict, predict_strategies, speedup)
-from flcomm.costmodel.search import (Crossover, Recommendation, crossover_bandwidth_ratio, crossover_sync_every,
-                                     recommend)
-
-
+from flcomm.costmodel.model import (
+    GBIT,
+    PRESETS,
+    Cluster,
+    Link,
+    Plan,
+    Prediction,
+    Strategy,
+    Workload,
+    codec_nbytes,
+    collective_time,
+    compute_time_from_flops,
+    fedavg_shard_copies,
+    memory_per_rank,
+    predict,
+    predict_strategies,
+    speedup,
+)
+from flcomm.costmodel.search import (
+    Crossover,
+    Recommendation,
+    crossover_bandwidth_ratio,
+    crossover_sync_every,
+    recommend,
+)
 
 
 def __getattr__(name: str):

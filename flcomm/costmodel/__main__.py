@@ -13,8 +13,17 @@ from typing import Any
 from flcomm.codecs import CODECS
 from flcomm.comm.base import format_bytes
 from flcomm.costmodel import model as _model
-from flcomm.costmodel.model import (GBIT, PRESETS, Cluster, Link, Prediction, Strategy, Workload,
-                                    compute_time_from_flops, predict_strategies)
+from flcomm.costmodel.model import (
+    GBIT,
+    PRESETS,
+    Cluster,
+    Link,
+    Prediction,
+    Strategy,
+    Workload,
+    compute_time_from_flops,
+    predict_strategies,
+)
 from flcomm.costmodel.probe import measure_main
 from flcomm.costmodel.search import crossover_bandwidth_ratio, crossover_sync_every, recommend
 

@@ -129,7 +129,7 @@ class RecordingComm:
         self.rank, self.size, self.device = rank, size, 0
         self.calls: list[tuple] = []
 
-    def _record(self, *call: object) -> "RecordingComm.Done":
+    def _record(self, *call: object) -> RecordingComm.Done:
         self.calls.append(call)
         return RecordingComm.Done(self.calls)
 
