@@ -276,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                     json.dump({"config": vars(a), "records": records}, f, indent=1)
         return 0
     if a.emulated:
-        cmd = [sys.executable, "-m", "bench.cluster.netns", "run", *(["--pin"] if a.pin else []), "--nodes", str(a.nodes),
-               "--ranks-per-node", str(a.ranks_per_node), "--rate", a.rate, "--", *_own_argv(a)]
+        cmd = [sys.executable, "-m", "bench.cluster.netns", "run", *(["--pin"] if a.pin else []),
+               "--nodes", str(a.nodes), "--ranks-per-node", str(a.ranks_per_node), "--rate", a.rate,
+               "--", *_own_argv(a)]
         return subprocess.call(cmd)
     if a.nproc < 1:
         p.error("give --nproc N (local processes), --emulated, or run under torchrun")

@@ -13,8 +13,8 @@ queues it and returns a :class:`Job`, a :class:`~flcomm.comm.base.Handle`.
 * **CUDA**: the same thread issues the job inside the engine's communication stream, which first
   waits for the point of the caller's stream where the job was submitted; the job's collectives
   wait in a stream-ordered way. ``Job.wait()`` makes the caller's current stream wait on the
-  job's end event (recorded whether the job returned or raised), so the training loop never blocks on the wire (only on the host part of a
-  job that has not been issued yet).
+  job's end event (recorded whether the job returned or raised), so the training loop never
+  blocks on the wire (only on the host part of a job that has not been issued yet).
 
 Errors: an exception raised by a job is kept and re-raised (as :class:`EngineError`, naming the
 rank, the job and the stage it was in) by the job's ``wait()`` or ``check()``. Once a job failed,

@@ -45,5 +45,6 @@ def __getattr__(name: str):
 __all__ = [
     "GBIT", "PRESETS", "Cluster", "Crossover", "Link", "Plan", "Prediction", "Recommendation", "Strategy",
     "Workload", "codec_nbytes", "collective_time", "compute_time_from_flops", "crossover_bandwidth_ratio",
-    "crossover_sync_every", "fedavg_shard_copies", "main", "memory_per_rank", "measure_tiers", "predict", "predict_strategies", "recommend", "speedup",
+    "crossover_sync_every", "fedavg_shard_copies", "main", "memory_per_rank", "measure_tiers", "predict",
+    "predict_strategies", "recommend", "speedup",
 ]

@@ -13,8 +13,9 @@ Modes (what a bucket's ``pack`` writes and its ``unpack`` does with the average)
   ``local = anchor``.
 * delta, overlap: ``own`` holds the local shard as of the sync (copied when the sync starts:
   the local shard keeps training meanwhile); the exchange first takes ``own -= anchor``, the
-  own delta (:meth:`DeltaExchange.own_delta`), and packs it; unpack ``anchor += disp`` and ``own = disp - own``, the correction that the apply step
-  adds to the local shard: ``local += new_anchor - old_anchor - own``.
+  own delta (:meth:`DeltaExchange.own_delta`), and packs it; unpack ``anchor += disp`` and
+  ``own = disp - own``, the correction that the apply step adds to the local shard:
+  ``local += new_anchor - old_anchor - own``.
 
 A bucket whose average is not finite is not applied; :attr:`ExchangeResult.bad` marks it. Nothing
 is read on the host during an exchange: each bucket's finite flag stays on the device and
