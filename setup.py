@@ -63,7 +63,7 @@ def find_cuda_home() -> str | None:
     if _is_toolkit(candidate):
         return candidate
     try:  # a wrapper script: `exec /path/to/cuda/bin/nvcc "$@"`
-        with open(real, "r", errors="ignore") as f:
+        with open(real, errors="ignore") as f:
             m = re.search(r"(/\S+)/bin/nvcc\b", f.read(4096))
         if m and _is_toolkit(m.group(1)):
             return m.group(1)

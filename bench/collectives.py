@@ -42,8 +42,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import (DTYPES, HEADER, Env, Record, add_common_args, format_row, launch,  # noqa: E402
-                          make_record, max_over_ranks, size_sweep, time_op, write_json)
+from bench.common import (  # noqa: E402
+    DTYPES,
+    HEADER,
+    Env,
+    Record,
+    add_common_args,
+    format_row,
+    launch,
+    make_record,
+    max_over_ranks,
+    size_sweep,
+    time_op,
+    write_json,
+)
 
 COLLECTIVES = ("reduce_scatter", "all_gather", "all_reduce")
 
@@ -119,10 +131,11 @@ def run(env: Env, args: argparse.Namespace) -> None:
         def measure(collective: str, algo: str, nbytes: int, fn, err: float, **extra) -> None:
             stats.reset()
             fn()  # one call, counted
-            wire = stats.bytes(LinkTier.INTRA_NODE) + stats.bytes(LinkTier.INTER_NODE) + stats.bytes(LinkTier.INTER_GROUP)
+            wire = sum(stats.bytes(tier) for tier in (LinkTier.INTRA_NODE, LinkTier.INTER_NODE, LinkTier.INTER_GROUP))
             wire_inter = stats.bytes(LinkTier.INTER_NODE)
             t = time_op(fn, env, args.warmup, args.iters)
-            rec = make_record(collective, algo, tname, env, nbytes, dtype if not algo.startswith("two-hop") else torch.float32,
+            wire_dtype = dtype if not algo.startswith("two-hop") else torch.float32
+            rec = make_record(collective, algo, tname, env, nbytes, wire_dtype,
                               t, wire, wire_inter, max_over_ranks(err, env), args.op, **extra)
             records.append(rec)
             say(format_row(rec), flush=True)
@@ -147,7 +160,8 @@ def run(env: Env, args: argparse.Namespace) -> None:
                     want = torch.cat([_pattern(c, r, torch.float64, dev) for r in range(P)])
                     for algo in args.algos:
                         out = torch.empty(count, dtype=dtype, device=dev)
-                        call = (lambda: flat.all_gather(out, x)) if algo == "flat" else (lambda: hier.all_gather(out, x))
+                        call = ((lambda: flat.all_gather(out, x)) if algo == "flat"
+                                else (lambda: hier.all_gather(out, x)))
                         call()
                         measure(collective, algo, nbytes, call, _err(out, want))
                 else:

@@ -125,6 +125,14 @@ def side_by_side(fns: dict[str, Callable[[], object]], device: torch.device, ite
     return {k: pick(v) for k, v in times.items()}
 
 
+def _copy_of(nbytes: int, device: torch.device) -> Callable[[], object]:
+    """A copy of ``nbytes / 2`` bytes: it reads and writes ``nbytes``, the same traffic as the
+    kernel (the buffers live as long as the callable)."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
 def bench_case(device: torch.device, fmt: str, block: int, numel: int, which: list[str], iters: int,
                rounds: int, stat: str = "median") -> list[KernelRecord]:
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -151,12 +159,8 @@ def bench_case(device: torch.device, fmt: str, block: int, numel: int, which: li
     records = []
     for name in which:
         nbytes, make = plans[name]
-        # NOTE: a copy of nbytes/2 bytes reads and writes nbytes: the same traffic as the kernel.
-        src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        t = side_by_side({"native": make("native"), "torch": make("torch"), "copy": lambda: dst.copy_(src)},
+        t = side_by_side({"native": make("native"), "torch": make("torch"), "copy": _copy_of(nbytes, device)},
                          device, iters, rounds, stat=stat)
-        del src, dst
         gb = lambda s: nbytes / s / 1e9  # noqa: E731
         records.append(KernelRecord(
             kernel=name, device=device.type, codec=fmt, bytes=nbytes, gbps=gb(t["native"]),

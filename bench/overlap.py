@@ -60,8 +60,8 @@ def _build(a: argparse.Namespace, mesh: Any, codec: str, overlap: bool) -> tuple
     """The model (sharded), its optimizer, its FedAvg and a token source (the compute-only steps
     run the same model without ``fed.step()``)."""
     from flcomm.federated.fedavg import FedAvg
-    from flcomm.train.run import shard_model
     from flcomm.train.model import build_model, get_config
+    from flcomm.train.run import shard_model
 
     model = build_model(get_config(a.model, dim=a.model_dim) if a.model_dim else a.model, seed=a.seed)
     shard_model(model, mesh)
@@ -276,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                     json.dump({"config": vars(a), "records": records}, f, indent=1)
         return 0
     if a.emulated:
-        cmd = [sys.executable, "-m", "bench.cluster.netns", "run", *(["--pin"] if a.pin else []), "--nodes", str(a.nodes),
-               "--ranks-per-node", str(a.ranks_per_node), "--rate", a.rate, "--", *_own_argv(a)]
+        cmd = [sys.executable, "-m", "bench.cluster.netns", "run", *(["--pin"] if a.pin else []),
+               "--nodes", str(a.nodes), "--ranks-per-node", str(a.ranks_per_node), "--rate", a.rate,
+               "--", *_own_argv(a)]
         return subprocess.call(cmd)
     if a.nproc < 1:
         p.error("give --nproc N (local processes), --emulated, or run under torchrun")

@@ -70,7 +70,7 @@ class RunSpec:
     unsharded: bool = False
 
     @classmethod
-    def parse(cls, text: str) -> "RunSpec":
+    def parse(cls, text: str) -> RunSpec:
         parts = text.split(":")
         try:
             kw: dict[str, Any] = {"strategy": Strategy.parse(parts[0])}
@@ -99,7 +99,8 @@ class RunSpec:
                     raise ValueError
             except ValueError:
                 raise ValueError(f"run spec {text!r}: expected E=<int>, codec=<{'|'.join(CODECS)}>, "
-                                 f"G=<int>, S=<int>, frag=<int>, overlap, hier or unsharded after the strategy, got {p!r}") from None
+                                 "G=<int>, S=<int>, frag=<int>, overlap, hier or unsharded after the strategy, "
+                                 f"got {p!r}") from None
         return cls(**kw)
 
     def __post_init__(self) -> None:
@@ -207,7 +208,8 @@ def run_emulated(a: argparse.Namespace, specs: list[RunSpec], out_dir: str, log)
         log(f"[1/3] probing the tiers ({a.nodes} nodes x {a.ranks_per_node} ranks, {a.rate})")
         c.launch([sys.executable, "-m", "flcomm.costmodel", "--measure", "--ranks-per-node", str(a.ranks_per_node),
                   "--measure-mb", str(a.measure_mb), "--measure-json", mpath], a.ranks_per_node,
-                 env=env, cwd=ROOT, timeout=a.timeout, stream_rank0=False, log_dir=os.path.join(out_dir, "logs", "measure"))
+                 env=env, cwd=ROOT, timeout=a.timeout, stream_rank0=False,
+                 log_dir=os.path.join(out_dir, "logs", "measure"))
         with open(mpath) as f:
             measured = json.load(f)
         log("[2/3] compute-only calibration run (groups of one rank, no sync)")
@@ -234,7 +236,8 @@ def run_emulated(a: argparse.Namespace, specs: list[RunSpec], out_dir: str, log)
     return measured, results, compute_s
 
 
-def run_torchrun(a: argparse.Namespace, specs: list[RunSpec], out_dir: str, log) -> tuple[dict, list[RunResult], float] | None:
+def run_torchrun(a: argparse.Namespace, specs: list[RunSpec], out_dir: str,
+                 log) -> tuple[dict, list[RunResult], float] | None:
     """Steps 1-3 inside a torchrun job: every rank runs this; returns on rank 0 only."""
     from datetime import timedelta
 
@@ -390,10 +393,12 @@ def format_table(records: list[dict[str, Any]]) -> str:
     for r in records:
         label = r["label"]
         lines.append(f"{label:<22} {r['tokens_per_s']:8.0f} {f(r['speedup_vs_fsdp'], '.2f', 'x'):>7} "
-                     f"{f(r['speedup_vs_hsdp'], '.2f', 'x'):>7} {r['step_time_s']:7.3f} {r['predicted_step_time_s']:7.3f} "
+                     f"{f(r['speedup_vs_hsdp'], '.2f', 'x'):>7} {r['step_time_s']:7.3f} "
+                     f"{r['predicted_step_time_s']:7.3f} "
                      f"{100 * r['prediction_error']:+5.0f}% {r['internode_bytes_per_step']:17.3e} "
                      f"{r['intergroup_bytes_per_step']:18.3e} {f(r['wire_tx_bytes_per_rank_step'], '12.3e')} "
-                     f"{r['exposed_comm_s']:9.3f} {f(r['eval_loss'], '8.4f')} {f(r['eval_loss_at_equal_time'], '7.4f')}")
+                     f"{r['exposed_comm_s']:9.3f} {f(r['eval_loss'], '8.4f')} "
+                     f"{f(r['eval_loss_at_equal_time'], '7.4f')}")
     if records:
         lines.append(f"eval@T: eval loss at the shortest run's wall time T = {records[0]['equal_time_s']:.1f} s "
                      "(linear between evaluations); wire B/step: bytes the nodes' shaped interfaces sent "

@@ -167,7 +167,7 @@ def _check_same(name: str, t: Tensor, ref: Tensor) -> None:
 
 
 # ---- backend choice ----
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _native_has(op: str) -> bool:
     if not _native.available():
         return False
@@ -177,7 +177,7 @@ def _native_has(op: str) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def native_supports(device_type: str) -> bool:
     """Whether the native kernels are built for ``device_type`` ("cpu" or "cuda")."""
     if not _native_has("quantize") or device_type not in ("cpu", "cuda"):

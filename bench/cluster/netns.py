@@ -223,7 +223,7 @@ class EmulatedCluster:
             raise ValueError(f"node must be in [0, {self.spec.nodes}), got {node}")
 
     # ---- lifecycle ----
-    def __enter__(self) -> "EmulatedCluster":
+    def __enter__(self) -> EmulatedCluster:
         require_root()
         self._install_signal_handlers()
         try:

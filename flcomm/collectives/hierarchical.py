@@ -91,7 +91,7 @@ def shard_transpose(input: Tensor, rows: int, cols: int, out: Tensor | None = No
     return out
 
 
-def _two_stage(run: "Callable[[Job], Tensor]", name: str, output: Tensor, input: Tensor,
+def _two_stage(run: Callable[[Job], Tensor], name: str, output: Tensor, input: Tensor,
                async_op: bool, intra: Transport, inter: Transport) -> Tensor | Job:
     """Run a two-stage collective as one job of the ``"hierarchical"`` engine lane.
 

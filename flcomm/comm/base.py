@@ -48,7 +48,7 @@ class ReduceOp(Choice, what="reduce op"):
     MAX = "max"
 
     @classmethod
-    def _missing_value(cls, op: Any) -> "ReduceOp | None":
+    def _missing_value(cls, op: Any) -> ReduceOp | None:
         """Also a torch.distributed.ReduceOp (or its value) of sum, avg or max."""
         if isinstance(op, str):
             return None

@@ -13,8 +13,8 @@ queues it and returns a :class:`Job`, a :class:`~flcomm.comm.base.Handle`.
 * **CUDA**: the same thread issues the job inside the engine's communication stream, which first
   waits for the point of the caller's stream where the job was submitted; the job's collectives
   wait in a stream-ordered way. ``Job.wait()`` makes the caller's current stream wait on the
-  job's end event (recorded whether the job returned or raised), so the training loop never blocks on the wire (only on the host part of a
-  job that has not been issued yet).
+  job's end event (recorded whether the job returned or raised), so the training loop never
+  blocks on the wire (only on the host part of a job that has not been issued yet).
 
 Errors: an exception raised by a job is kept and re-raised (as :class:`EngineError`, naming the
 rank, the job and the stage it was in) by the job's ``wait()`` or ``check()``. Once a job failed,
@@ -73,7 +73,7 @@ class Job:
     """Handle of one submitted job. The job's function sets ``job.stage`` as it goes, so errors
     and timeouts can name the stage; ``result`` is what it returned."""
 
-    def __init__(self, name: str, fn: Callable[["Job"], Any], rank: int) -> None:
+    def __init__(self, name: str, fn: Callable[[Job], Any], rank: int) -> None:
         self.name, self._fn, self.rank = name, fn, rank
         self.stage = "queued"
         self.result: Any = None

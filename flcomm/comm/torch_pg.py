@@ -91,7 +91,7 @@ _ENV_LOCK = threading.Lock()
 
 
 def nccl_options(timeout: timedelta, *, max_ctas: int | None = None,
-                 nonblocking: bool = False) -> "dist.ProcessGroupNCCL.Options":
+                 nonblocking: bool = False) -> dist.ProcessGroupNCCL.Options:
     """``ProcessGroupNCCL.Options`` with ``timeout``; ``max_ctas`` caps the CTAs (SMs) each of
     the group's collectives may hold; ``nonblocking`` makes the communicator's initialization
     non-blocking, so torch bounds it by ``timeout`` (a blocking init waits forever for a peer
@@ -111,8 +111,8 @@ def nccl_options(timeout: timedelta, *, max_ctas: int | None = None,
     return opts
 
 
-def store_group(store: "dist.Store", prefix: str, rank: int, size: int, backend: str,
-                timeout: timedelta, *, max_ctas: int | None = EXCHANGE_MAX_CTAS) -> "dist.ProcessGroup":
+def store_group(store: dist.Store, prefix: str, rank: int, size: int, backend: str,
+                timeout: timedelta, *, max_ctas: int | None = EXCHANGE_MAX_CTAS) -> dist.ProcessGroup:
     """A process group of ``size`` ranks made from ``store`` under ``prefix``, outside
     torch.distributed's registry: only its members take part in creating it (no world-wide
     ``new_group``), and it can be dropped and replaced (elastic federation). ``rank`` is the
@@ -162,7 +162,7 @@ class ProcessGroupTransport(TorchTransport):
     registry, so it issues on the group object itself). ``ranks`` are its members' global
     ranks, in group-rank order."""
 
-    def __init__(self, group: "dist.ProcessGroup", ranks: list[int], backend: str,
+    def __init__(self, group: dist.ProcessGroup, ranks: list[int], backend: str,
                  tier: LinkTier | str = LinkTier.INTER_GROUP, stats: CommStats | None = None,
                  timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         if group.size() != len(ranks):

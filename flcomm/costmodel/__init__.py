@@ -2,13 +2,31 @@
 for the model itself, :mod:`~flcomm.costmodel.search` for the crossover and the recommendation,
 :mod:`~flcomm.costmodel.probe` for ``--measure``; the CLI is ``flcomm-costmodel``)."""
 
-from flcomm.costmodel.model import (GBIT, PRESETS, Cluster, Link, Plan, Prediction, Strategy, Workload, codec_nbytes,
-                                    collective_time, compute_time_from_flops, fedavg_shard_copies, memory_per_rank,
-                                    predict, predict_strategies, speedup)
-from flcomm.costmodel.search import (Crossover, Recommendation, crossover_bandwidth_ratio, crossover_sync_every,
-                                     recommend)
-
-
+from flcomm.costmodel.model import (
+    GBIT,
+    PRESETS,
+    Cluster,
+    Link,
+    Plan,
+    Prediction,
+    Strategy,
+    Workload,
+    codec_nbytes,
+    collective_time,
+    compute_time_from_flops,
+    fedavg_shard_copies,
+    memory_per_rank,
+    predict,
+    predict_strategies,
+    speedup,
+)
+from flcomm.costmodel.search import (
+    Crossover,
+    Recommendation,
+    crossover_bandwidth_ratio,
+    crossover_sync_every,
+    recommend,
+)
 
 
 def __getattr__(name: str):
@@ -27,5 +45,6 @@ def __getattr__(name: str):
 __all__ = [
     "GBIT", "PRESETS", "Cluster", "Crossover", "Link", "Plan", "Prediction", "Recommendation", "Strategy",
     "Workload", "codec_nbytes", "collective_time", "compute_time_from_flops", "crossover_bandwidth_ratio",
-    "crossover_sync_every", "fedavg_shard_copies", "main", "memory_per_rank", "measure_tiers", "predict", "predict_strategies", "recommend", "speedup",
+    "crossover_sync_every", "fedavg_shard_copies", "main", "memory_per_rank", "measure_tiers", "predict",
+    "predict_strategies", "recommend", "speedup",
 ]

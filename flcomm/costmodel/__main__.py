@@ -13,8 +13,17 @@ from typing import Any
 from flcomm.codecs import CODECS
 from flcomm.comm.base import format_bytes
 from flcomm.costmodel import model as _model
-from flcomm.costmodel.model import (GBIT, PRESETS, Cluster, Link, Prediction, Strategy, Workload,
-                                    compute_time_from_flops, predict_strategies)
+from flcomm.costmodel.model import (
+    GBIT,
+    PRESETS,
+    Cluster,
+    Link,
+    Prediction,
+    Strategy,
+    Workload,
+    compute_time_from_flops,
+    predict_strategies,
+)
 from flcomm.costmodel.probe import measure_main
 from flcomm.costmodel.search import crossover_bandwidth_ratio, crossover_sync_every, recommend
 
@@ -132,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"cluster: {cluster.nodes} nodes x {cluster.ranks_per_node} ranks; intra {cluster.intra.bandwidth / GBIT:.4g} "
-          f"Gbit/s per rank, inter-node {cluster.inter_node.bandwidth / GBIT:.4g} Gbit/s per node "
+    print(f"cluster: {cluster.nodes} nodes x {cluster.ranks_per_node} ranks; "
+          f"intra {cluster.intra.bandwidth / GBIT:.4g} Gbit/s per rank, "
+          f"inter-node {cluster.inter_node.bandwidth / GBIT:.4g} Gbit/s per node "
           f"(inter/intra per rank {cluster.bandwidth_ratio:.3g}); compute {wl.compute_s:.4g} s/step, "
           f"{wl.params:.3g} params")
     print(format_table(preds))

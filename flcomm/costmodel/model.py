@@ -98,7 +98,7 @@ class Link:
         number("latency", self.latency, 0)
 
     @classmethod
-    def gbit(cls, gbit_per_s: float, latency_us: float = 0.0) -> "Link":
+    def gbit(cls, gbit_per_s: float, latency_us: float = 0.0) -> Link:
         return cls(number("bandwidth (Gbit/s)", gbit_per_s, 0, lo_open=True) * GBIT,
                    number("latency (us)", latency_us, 0) * 1e-6)
 
@@ -135,7 +135,7 @@ class Cluster:
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
 
-    def scale_inter(self, factor: float) -> "Cluster":
+    def scale_inter(self, factor: float) -> Cluster:
         """The same cluster with inter-node and inter-group bandwidth times ``factor``."""
         number("factor", factor, 0, lo_open=True)
         return replace(self, inter_node=replace(self.inter_node, bandwidth=self.inter_node.bandwidth * factor),
@@ -147,7 +147,7 @@ class Cluster:
         return self.inter_node.bandwidth / self.ranks_per_node / self.intra.bandwidth
 
     @classmethod
-    def from_measurement(cls, m: dict, nodes: int | None = None) -> "Cluster":
+    def from_measurement(cls, m: dict, nodes: int | None = None) -> Cluster:
         """From the JSON ``--measure`` writes (optionally for another node count)."""
         def link(key: str) -> Link | None:
             v = m.get(key)

@@ -92,7 +92,7 @@ class Membership:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, s: str | bytes) -> "Membership":
+    def from_json(cls, s: str | bytes) -> Membership:
         d = json.loads(s)
         return cls(int(d["generation"]), tuple(d["groups"]), int(d["step"]), tuple(d["lost"]),
                    tuple(d["joined"]), tuple(d.get("missing_ranks", ())))
@@ -154,8 +154,8 @@ class Federation:
         events: membership changes seen here, as metrics records (the driver drains them).
     """
 
-    store: "dist.Store"
-    topology: "Topology"
+    store: dist.Store
+    topology: Topology
     rank: int
     backend: str = "gloo"
     timeout: timedelta = timedelta(seconds=300)

@@ -13,8 +13,9 @@ Modes (what a bucket's ``pack`` writes and its ``unpack`` does with the average)
   ``local = anchor``.
 * delta, overlap: ``own`` holds the local shard as of the sync (copied when the sync starts:
   the local shard keeps training meanwhile); the exchange first takes ``own -= anchor``, the
-  own delta (:meth:`DeltaExchange.own_delta`), and packs it; unpack ``anchor += disp`` and ``own = disp - own``, the correction that the apply step
-  adds to the local shard: ``local += new_anchor - old_anchor - own``.
+  own delta (:meth:`DeltaExchange.own_delta`), and packs it; unpack ``anchor += disp`` and
+  ``own = disp - own``, the correction that the apply step adds to the local shard:
+  ``local += new_anchor - old_anchor - own``.
 
 A bucket whose average is not finite is not applied; :attr:`ExchangeResult.bad` marks it. Nothing
 is read on the host during an exchange: each bucket's finite flag stays on the device and
@@ -69,7 +70,7 @@ def resolve_codec(codec: str | Codec) -> Codec:
     return get_codec(codec)
 
 
-def replicate_transport(mesh: "FedMesh", sharded: bool | None) -> "Transport | None":
+def replicate_transport(mesh: FedMesh, sharded: bool | None) -> Transport | None:
     """The transport a sharded exchange gathers its slices over, or None when it does not shard:
     ``sharded`` None means "when the topology has R > 1 replicas" (FL+HSDP); False never; True
     when R > 1 (with R = 1 there is nothing to shard).
@@ -96,7 +97,7 @@ def replicate_transport(mesh: "FedMesh", sharded: bool | None) -> "Transport | N
     return _REPLICATE[mesh]
 
 
-_REPLICATE: "weakref.WeakKeyDictionary[FedMesh, Transport]" = weakref.WeakKeyDictionary()
+_REPLICATE: weakref.WeakKeyDictionary[FedMesh, Transport] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -154,12 +155,12 @@ class DeltaExchange:
             staging pool (module docstring), not through the exchange's scratch.
     """
 
-    def __init__(self, transport: "Transport", tensors: list[Tensor], *, codec: Codec, bucket_mb: float,
+    def __init__(self, transport: Transport, tensors: list[Tensor], *, codec: Codec, bucket_mb: float,
                  error_feedback: bool, in_place: bool, anchors: list[Tensor] | None = None,
-                 own: list[Tensor] | None = None, outer: "OuterOptimizer | None" = None,
+                 own: list[Tensor] | None = None, outer: OuterOptimizer | None = None,
                  momentum_index: list[int | None] | None = None, offload: bool = False,
                  residual_dtype: torch.dtype = torch.float32, staging: StagingPool | None = None,
-                 replicate: "Transport | None" = None, apply_scratch: bool = False) -> None:
+                 replicate: Transport | None = None, apply_scratch: bool = False) -> None:
         # NOTE: the in-place mode keeps nothing at full size: nothing to offload, so it keeps
         # the double-buffered pipeline
         self.codec, self.in_place, self.offload = codec, in_place, bool(offload) and not in_place
@@ -177,7 +178,7 @@ class DeltaExchange:
     def work_dtypes(self) -> list[torch.dtype]:
         return [bucket_dtype(d, self.in_place) for d in self.bar.dtypes]
 
-    def run(self, job: "Job", locals_: list[Tensor], skip: Tensor | None = None) -> ExchangeResult:
+    def run(self, job: Job, locals_: list[Tensor], skip: Tensor | None = None) -> ExchangeResult:
         """One exchange on the engine's thread (``job`` names the stages); ``locals_`` are the
         local shards as of the sync (read unless overlapping, written unless overlapping).
         ``skip``: a 0-dim bool on the device, the same on every rank of the group; when True no
@@ -222,7 +223,7 @@ class DeltaExchange:
             home.copy_(staged)  # NOTE: blocking: the scratch is reused by the next piece
 
     @torch.no_grad()
-    def own_delta(self, ready: "torch.cuda.Event | None" = None) -> None:
+    def own_delta(self, ready: torch.cuda.Event | None = None) -> None:
         """Overlap, first step of an exchange (on the engine's thread): ``own -= anchor``, where
         ``own`` held the local shard as of the sync: the own delta, ``fp32(local) - anchor`` as
         ``torch.sub(local, anchor)`` gives it. Where own and anchor live: on the device (the

@@ -173,13 +173,13 @@ class FedAvg:
         steps: ``step()`` calls so far.
     """
 
-    def __init__(self, model: nn.Module, mesh: "FedMesh", *, sync_every: int, codec: str | Codec = "none",
+    def __init__(self, model: nn.Module, mesh: FedMesh, *, sync_every: int, codec: str | Codec = "none",
                  error_feedback: bool = False, outer: str = "avg", outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, inner_state: str = "keep", overlap: bool = False,
                  overlap_steps: int = 1, bucket_mb: float = 25.0,
                  optimizer: torch.optim.Optimizer | None = None, sync_init: bool = True,
                  offload: str | None = None, residual_dtype: str = "fp32", fragments: int = 1,
-                 sharded_exchange: bool | None = None, federation: "Federation | None" = None) -> None:
+                 sharded_exchange: bool | None = None, federation: Federation | None = None) -> None:
         check_config(sync_every=sync_every, bucket_mb=bucket_mb, overlap_steps=overlap_steps, fragments=fragments,
                      inner_state=inner_state, residual_dtype=residual_dtype, offload=offload,
                      elastic=federation is not None, overlap=overlap)

@@ -27,7 +27,7 @@ class InnerState(Choice, what="inner_state"):
     RESET = "reset"
 
 
-def sync_inner_state(kind: InnerState, optimizer: torch.optim.Optimizer | None, transport: "Transport") -> None:
+def sync_inner_state(kind: InnerState, optimizer: torch.optim.Optimizer | None, transport: Transport) -> None:
     """What ``kind`` does to ``optimizer``'s state at a sync (nothing for ``keep``)."""
     if kind is InnerState.AVERAGE:
         assert optimizer is not None
@@ -37,7 +37,7 @@ def sync_inner_state(kind: InnerState, optimizer: torch.optim.Optimizer | None, 
         optimizer.state.clear()
 
 
-def average_inner_state(optimizer: torch.optim.Optimizer, transport: "Transport") -> None:
+def average_inner_state(optimizer: torch.optim.Optimizer, transport: Transport) -> None:
     """Average the floating inner-optimizer state (all but ``step``) over ``transport`` (the fed
     group): one all-reduce per working dtype."""
     tensors: list[Tensor] = []

@@ -52,9 +52,9 @@ class FedAvgCheckpoint:
         exchanges: each fragment's exchange, now (they are rebuilt after a membership change).
     """
 
-    def __init__(self, topology: "Topology", config: dict[str, Any], *, rank: int, elastic: bool, overlap: bool,
+    def __init__(self, topology: Topology, config: dict[str, Any], *, rank: int, elastic: bool, overlap: bool,
                  names: list[str], is_param: list[bool], anchors: list[Tensor] | None,
-                 outer: "OuterOptimizer", exchanges: Callable[[], list["DeltaExchange | None"]]) -> None:
+                 outer: OuterOptimizer, exchanges: Callable[[], list[DeltaExchange | None]]) -> None:
         self.topology, self.config, self.rank = topology, dict(config), rank
         self.elastic, self.overlap = elastic, overlap
         self.names, self.is_param, self.anchors = names, is_param, anchors

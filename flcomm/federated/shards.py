@@ -72,7 +72,7 @@ def model_kind(model: nn.Module) -> str:
     return "plain"
 
 
-def _group_error(what: str, ranks: list[int], mesh: "FedMesh") -> ValueError:
+def _group_error(what: str, ranks: list[int], mesh: FedMesh) -> ValueError:
     return ValueError(
         f"{what} is sharded or replicated over ranks {sorted(ranks)}, which leave the federation "
         f"group of rank {mesh.rank} (ranks {mesh.group_ranks['group']}): shard the model inside "
@@ -80,7 +80,7 @@ def _group_error(what: str, ranks: list[int], mesh: "FedMesh") -> ValueError:
         "['replicate', 'shard'] for HSDP), or the groups would not train independently")
 
 
-def collect_slots(model: nn.Module, mesh: "FedMesh") -> tuple[str, list[Slot]]:
+def collect_slots(model: nn.Module, mesh: FedMesh) -> tuple[str, list[Slot]]:
     """The model kind and the tensors to average, in a deterministic order (parameters in
     ``named_parameters`` / FSDP-unit order, then buffers). Checks that no parameter is sharded
     over ranks outside the rank's federation group."""
@@ -168,7 +168,7 @@ def describe(slots: list[Slot]) -> list[tuple[str, tuple[int, ...]]]:
     return [(s.name, tuple(s.local.shape)) for s in slots]
 
 
-def check_same_shards(slots: list[Slot], transport: "Transport", fed_ranks: list[int]) -> None:
+def check_same_shards(slots: list[Slot], transport: Transport, fed_ranks: list[int]) -> None:
     """ValueError unless every rank of the fed group (``transport``, over ``fed_ranks``) holds
     the same shards of the same model (:func:`fingerprint`). Collective."""
     # NOTE: on the transport's device: NCCL groups cannot gather CPU tensors
@@ -186,7 +186,7 @@ def check_same_shards(slots: list[Slot], transport: "Transport", fed_ranks: list
 
 
 @torch.no_grad()
-def broadcast(transport: "Transport", tensors: list[Tensor], src: int) -> None:
+def broadcast(transport: Transport, tensors: list[Tensor], src: int) -> None:
     """Every rank of ``transport`` takes rank ``src``'s ``tensors`` (one broadcast per dtype,
     through a flat copy on the transport's device that exists only here). Collective."""
     tensors = [t for t in tensors if t.numel()]

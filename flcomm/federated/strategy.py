@@ -50,7 +50,7 @@ class Strategy(Choice, what="strategy"):
         return self in (Strategy.HSDP, Strategy.FL_HSDP)
 
     @property
-    def inner(self) -> "Strategy":
+    def inner(self) -> Strategy:
         """What runs inside one federation group: fsdp or hsdp."""
         return Strategy.HSDP if self.hybrid else Strategy.FSDP
 
@@ -96,7 +96,7 @@ class Strategy(Choice, what="strategy"):
         return topo
 
     @classmethod
-    def of(cls, topo: Topology) -> "Strategy":
+    def of(cls, topo: Topology) -> Strategy:
         """The strategy a topology runs: federated when it has several groups, hybrid when it
         has several replicas."""
         return {(False, False): cls.FSDP, (False, True): cls.HSDP, (True, False): cls.FL_FSDP,

@@ -119,20 +119,20 @@ class Topology:
 
     # ---- factories for the four strategies (defaults: flcomm.federated.strategy) ----
     @classmethod
-    def fsdp(cls, world_size: int, ranks_per_node: int) -> "Topology":
+    def fsdp(cls, world_size: int, ranks_per_node: int) -> Topology:
         return _strategy("fsdp").topology(world_size, ranks_per_node)
 
     @classmethod
-    def hsdp(cls, world_size: int, ranks_per_node: int, shard_size: int | None = None) -> "Topology":
+    def hsdp(cls, world_size: int, ranks_per_node: int, shard_size: int | None = None) -> Topology:
         return _strategy("hsdp").topology(world_size, ranks_per_node, S=shard_size)
 
     @classmethod
-    def fl_fsdp(cls, world_size: int, ranks_per_node: int, group_size: int | None = None) -> "Topology":
+    def fl_fsdp(cls, world_size: int, ranks_per_node: int, group_size: int | None = None) -> Topology:
         return _strategy("fl-fsdp").topology(world_size, ranks_per_node, G=group_size)
 
     @classmethod
     def fl_hsdp(cls, world_size: int, ranks_per_node: int, group_size: int | None = None,
-                shard_size: int | None = None) -> "Topology":
+                shard_size: int | None = None) -> Topology:
         return _strategy("fl-hsdp").topology(world_size, ranks_per_node, G=group_size, S=shard_size)
 
     # ---- sizes ----
@@ -227,7 +227,7 @@ class Topology:
 
     def build(self, device_type: str = "cpu", stats: CommStats | None = None,
               timeout: timedelta = DEFAULT_TIMEOUT, hierarchical: bool = True,
-              group_rank: int | None = None, exchange_max_ctas: int | None = EXCHANGE_MAX_CTAS) -> "FedMesh":
+              group_rank: int | None = None, exchange_max_ctas: int | None = EXCHANGE_MAX_CTAS) -> FedMesh:
         """Create the DeviceMesh and the process groups (collective: every rank calls it).
 
         ``group_rank``: torch.distributed's world is this rank's federation group only (elastic
@@ -341,7 +341,7 @@ class FedMesh:
     def tier(self, name: str) -> LinkTier:
         return self.topology.tier(self.group_ranks[name], "fed" if name == "fed" else None)
 
-    def hierarchy(self, base: str = "shard") -> "Hierarchy":
+    def hierarchy(self, base: str = "shard") -> Hierarchy:
         """The :class:`~flcomm.collectives.hierarchical.Hierarchy` (intra-node and inter-node
         transports) of group ``base`` ("shard" or "group"); needs ``hierarchical=True``."""
         from flcomm.collectives.hierarchical import Hierarchy
@@ -353,7 +353,7 @@ class FedMesh:
                 raise ValueError(f"FedMesh has no {name!r} group: build it with hierarchical=True")
         return Hierarchy(self.transport(f"{base}_intra"), self.transport(f"{base}_inter"))
 
-    def transport(self, name: str) -> "TorchTransport":
+    def transport(self, name: str) -> TorchTransport:
         """A TorchTransport on group ``name``, counting into this mesh's shared stats."""
         from flcomm.comm.torch_pg import TorchTransport
 

@@ -65,7 +65,7 @@ def hierarchical_reduce_scatter_hook(state: HierarchicalCommState, grad: Tensor,
         output.div_(state.gradient_postdivide_factor)
 
 
-def register_hierarchical_comm_hook(model: "FullyShardedDataParallel",
+def register_hierarchical_comm_hook(model: FullyShardedDataParallel,
                                     hierarchy: Hierarchy) -> HierarchicalCommState:
     """Register :func:`hierarchical_reduce_scatter_hook` on the root FSDP1 ``model`` after
     checking that every FSDP unit shards (no hybrid or NO_SHARD strategy) over a group that is

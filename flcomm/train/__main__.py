@@ -96,7 +96,8 @@ def _add_common(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     r.add_argument("--timeout-s", type=float, default=d.timeout_s,
                    help="timeout of every collective, in seconds (a dead or frozen rank is detected within it)")
     r.add_argument("--nan-policy", default=d.nan_policy,
-                   help=f"on a non-finite loss or gradient norm: {' | '.join(NAN_POLICIES)} (stop: every rank, naming the step)")
+                   help=f"on a non-finite loss or gradient norm: {' | '.join(NAN_POLICIES)} "
+                        "(stop: every rank, naming the step)")
     r.add_argument("--log-dir", default=d.log_dir,
                    help="per-rank heartbeats and tracebacks (default: a new temporary directory)")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=d.progress)

@@ -103,7 +103,7 @@ def read_meta(path: str) -> dict[str, Any]:
     return meta
 
 
-def check_compatible(meta: dict[str, Any], topo: "Topology", model_cfg: dict[str, Any], path: str,
+def check_compatible(meta: dict[str, Any], topo: Topology, model_cfg: dict[str, Any], path: str,
                      same_group_shape: bool = False) -> None:
     """Refuse a checkpoint written by another topology (``same_group_shape``: only another
     group shape, i.e. ranks per node, G or S; an elastic run may resume with another number of
@@ -452,7 +452,7 @@ def verify(path: str, meta: dict[str, Any]) -> None:
 
 
 def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, group: int,
-         topo: "Topology", model_cfg: dict[str, Any],
+         topo: Topology, model_cfg: dict[str, Any],
          same_group_shape: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """Load a checkpoint into ``model`` and ``optimizer`` (collective).
 

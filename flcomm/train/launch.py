@@ -34,8 +34,16 @@ import torch.distributed as dist
 from flcomm.train.checkpoint import check_before_launch
 from flcomm.train.config import TrainConfig, resolve_topology
 from flcomm.train.loop import TrainResult, train
-from flcomm.train.monitor import (FAULT_ENV, Monitor, describe, first_failure, heartbeat_path, log_path,
-                                  process_state, read_heartbeat)
+from flcomm.train.monitor import (
+    FAULT_ENV,
+    Monitor,
+    describe,
+    first_failure,
+    heartbeat_path,
+    log_path,
+    process_state,
+    read_heartbeat,
+)
 from flcomm.train.run import STARTUP_TIMEOUT_S
 from flcomm.validate import integer
 
@@ -91,7 +99,7 @@ def _init_group_world(cfg: TrainConfig, backend: str, store: Any, rank: int, wor
                             store=dist.PrefixStore(f"flcomm/group{c.group}/inc{inc}/", store))
 
 
-def _env_store(rank: int, world: int, timeout_s: float) -> "dist.TCPStore":
+def _env_store(rank: int, world: int, timeout_s: float) -> dist.TCPStore:
     """torchrun's rendezvous store (MASTER_ADDR / MASTER_PORT; the agent's own store when
     torchrun says so), waiting up to the start-up timeout for the ranks to join."""
     # NOTE: env:// would wait only timeout_s for every rank to join, and ranks start (import
@@ -163,7 +171,7 @@ def listen_socket(addr: str) -> socket.socket:
     return sock
 
 
-def bound_store(addr: str, world_size: int, timeout: timedelta, sock: socket.socket | None = None) -> "dist.TCPStore":
+def bound_store(addr: str, world_size: int, timeout: timedelta, sock: socket.socket | None = None) -> dist.TCPStore:
     """A TCPStore server listening on ``addr`` only (on ``sock`` when given, else on a port
     the kernel picks; read it back with ``.port``)."""
     # NOTE: TCPStore(host, 0, is_master=True) would listen on every interface (its server binds

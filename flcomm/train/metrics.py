@@ -67,7 +67,7 @@ class MetricsWriter:
             self._f.close()
             self._f = None
 
-    def __enter__(self) -> "MetricsWriter":
+    def __enter__(self) -> MetricsWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -177,7 +177,7 @@ class FsdpTraffic:
     hierarchical FSDP hooks run them and count them through their transports.
     """
 
-    def __init__(self, units: Iterable[tuple[nn.Module, bool]], mesh: "FedMesh",
+    def __init__(self, units: Iterable[tuple[nn.Module, bool]], mesh: FedMesh,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  count_shard_dim: bool = True) -> None:
         F_, R, S = mesh.topology.mesh_shape

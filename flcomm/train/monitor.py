@@ -60,7 +60,7 @@ class Fault:
     action: str  # kill | freeze | raise
 
     @classmethod
-    def from_env(cls) -> "Fault | None":
+    def from_env(cls) -> Fault | None:
         spec = os.environ.get(FAULT_ENV)
         if not spec:
             return None
@@ -74,7 +74,7 @@ class Fault:
                              "kill, freeze, raise or nan")
         return f
 
-    def fire(self, poison: "Callable[[], None] | None" = None) -> None:
+    def fire(self, poison: Callable[[], None] | None = None) -> None:
         if self.action == "nan":
             if poison is not None:
                 poison()

@@ -28,8 +28,17 @@ from flcomm.federated.fedavg import FedAvg
 from flcomm.federated.topology import Topology
 from flcomm.train import checkpoint as ckpt
 from flcomm.train.config import TrainConfig, resolve_topology
-from flcomm.train.data import (BUILTIN_CORPUS, ShardedLoader, check_vocab, data_record, data_source, eval_batches,
-                               fingerprint, load_tokens, split_for_ranks)
+from flcomm.train.data import (
+    BUILTIN_CORPUS,
+    ShardedLoader,
+    check_vocab,
+    data_record,
+    data_source,
+    eval_batches,
+    fingerprint,
+    load_tokens,
+    split_for_ranks,
+)
 from flcomm.train.metrics import FsdpTraffic
 from flcomm.train.model import Transformer, build_model, lm_loss
 from flcomm.train.monitor import Monitor
@@ -47,7 +56,7 @@ def _device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def shard_model(model: Transformer, mesh: "FedMesh", mp_policy: Any = None) -> list[tuple[nn.Module, bool]]:
+def shard_model(model: Transformer, mesh: FedMesh, mp_policy: Any = None) -> list[tuple[nn.Module, bool]]:
     """FSDP2 ``fully_shard`` per decoder block (reshard after forward) and on the root (kept
     unsharded from forward to backward), over the federation group's mesh. Returns the FSDP
     units, innermost first, with their reshard-after-forward flag."""
@@ -127,7 +136,7 @@ class Run:
     rank: int
     device: torch.device
     topo: Topology
-    mesh: "FedMesh"
+    mesh: FedMesh
     model: nn.Module
     optimizer: torch.optim.Optimizer
     traffic: FsdpTraffic
@@ -141,7 +150,7 @@ class Run:
     elapsed0: float = 0.0
     resumed_from: str | None = None
     bad_step: int | None = None          # first non-finite step of this group, not yet agreed
-    federation: "Federation | None" = None  # --elastic
+    federation: Federation | None = None  # --elastic
 
     @property
     def tokens_per_step(self) -> int:
@@ -156,7 +165,7 @@ class Run:
         return ckpt.elastic_checkpoint_dir(self.cfg.checkpoint_dir, self.mesh.coords.group)
 
 
-def _build_model(cfg: TrainConfig, mesh: "FedMesh", device: torch.device) -> tuple[nn.Module, FsdpTraffic]:
+def _build_model(cfg: TrainConfig, mesh: FedMesh, device: torch.device) -> tuple[nn.Module, FsdpTraffic]:
     """The model, sharded with FSDP2 over ``mesh`` (hierarchical collectives on request), and
     the counter of FSDP's traffic."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -191,7 +200,7 @@ def _build_model(cfg: TrainConfig, mesh: "FedMesh", device: torch.device) -> tup
     return model, FsdpTraffic(units, mesh, mp.param_dtype, mp.reduce_dtype, count_shard_dim=not hierarchical)
 
 
-def _build_data(cfg: TrainConfig, mesh: "FedMesh", device: torch.device):
+def _build_data(cfg: TrainConfig, mesh: FedMesh, device: torch.device):
     """This rank's loader (slice ``group * G + index`` of P), its held-out batches, and the
     data record a checkpoint keeps (:func:`flcomm.train.data.data_record`)."""
     topo, coords = mesh.topology, mesh.coords

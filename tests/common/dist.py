@@ -27,7 +27,6 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-
 STORE = None  # the job's store, in a rank (tests of the elastic federation use it directly)
 
 # NOTE: what the forkserver imports once for every rank; a missing one is skipped by the

@@ -412,7 +412,7 @@ def test_fedavg_overlap_end_to_end_on_the_comm_stream():
     solo = [compute() for _ in range(6)][2:]
     fed.exposed_comm_s = 0.0
     steps, stalls = [], []
-    for t in range(1, 20):  # NOTE: syncs at 4, 8, 12, 16; the last one has 3 steps before finish()
+    for _ in range(1, 20):  # NOTE: syncs at 4, 8, 12, 16; the last one has 3 steps before finish()
         steps.append(compute())
         _train_step_gpu(model)
         s = _event()

@@ -66,8 +66,10 @@ def test_launch_env_pin_failure_and_timeout(tmp_path):
     before = _ours()
     with EmulatedCluster(ClusterSpec(2)) as c:
         code = ("import os, sys; e = os.environ; "
-                "sys.exit(0 if (e['WORLD_SIZE'], e['MASTER_ADDR'], e['GLOO_SOCKET_IFNAME']) == ('4', '10.99.0.1', 'fl0') "
-                "and int(e['RANK']) // 2 == int(e['NODE_RANK']) and int(e['RANK']) % 2 == int(e['LOCAL_RANK']) else 3)")
+                "sys.exit(0 if (e['WORLD_SIZE'], e['MASTER_ADDR'], e['GLOO_SOCKET_IFNAME']) "
+                "== ('4', '10.99.0.1', 'fl0') "
+                "and int(e['RANK']) // 2 == int(e['NODE_RANK']) and int(e['RANK']) % 2 == int(e['LOCAL_RANK']) "
+                "else 3)")
         assert c.launch([sys.executable, "-c", code], 2, timeout=60, stream_rank0=False) == [0, 0, 0, 0]
         # rank 3 fails at once, the others would sleep: they are stopped after the grace period
         bad = "import os, sys, time; r = int(os.environ['RANK']); print('rank', r, 'failing') if r == 3 else None; " \

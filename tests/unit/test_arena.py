@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 ARENA_SPECS = [((3, 5), torch.bfloat16), ((7,), torch.float64), ((), torch.float32), ((0,), torch.float32),
                ((2, 2, 3), torch.float16), ((11,), torch.float32)]
 

@@ -39,8 +39,8 @@ def test_registry_names_and_errors():
     with pytest.raises(TypeError, match="codec must be a name"):
         get_codec(8)  # type: ignore[arg-type]
     for bad in (0, 2**40, 2**63, True, 256.0):
-        with pytest.raises(ValueError, match=rf"block_size must be an integer in \[1, 1048576\] \(elements per scale\), "
-                                             rf"got {re.escape(repr(bad))}"):
+        with pytest.raises(ValueError, match=r"block_size must be an integer in \[1, 1048576\] "
+                                             rf"\(elements per scale\), got {re.escape(repr(bad))}"):
             get_codec("int8", block_size=bad)
     assert get_codec("int8", block_size=1 << 20).block_size == 1 << 20
 

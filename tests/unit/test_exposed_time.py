@@ -25,7 +25,7 @@ class _Event:
     def synchronize(self) -> None:
         pass
 
-    def elapsed_time(self, end: "_Event") -> float:
+    def elapsed_time(self, end: _Event) -> float:
         return (end.at - self.at) * 1e3  # ms, as CUDA events
 
 

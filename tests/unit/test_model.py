@@ -8,8 +8,17 @@ import math
 import pytest
 import torch
 
-from flcomm.train.model import (PRESETS, Attention, ModelConfig, RMSNorm, apply_rope, build_model,
-                                get_config, lm_loss, rope_angles)
+from flcomm.train.model import (
+    PRESETS,
+    Attention,
+    ModelConfig,
+    RMSNorm,
+    apply_rope,
+    build_model,
+    get_config,
+    lm_loss,
+    rope_angles,
+)
 
 torch.set_num_threads(1)
 

@@ -1,6 +1,6 @@
 """The native module on a machine without a GPU: build info, NCCL version and unique ids, clear
-errors from GPU-only calls, and the NCCL transport's validation before any native call (the unique-id exchange over gloo is in
-tests/dist/test_nccl_unique_id.py).
+errors from GPU-only calls, and the NCCL transport's validation before any native call (the
+unique-id exchange over gloo is in tests/dist/test_nccl_unique_id.py).
 
 Runs against whichever build is in the tree: with NCCL (the default CUDA build) the NCCL calls
 that need no GPU work; in a CPU-only build (``FLCOMM_CUDA=0 tools/dev_build.sh``) every NCCL
@@ -129,7 +129,7 @@ class RecordingComm:
         self.rank, self.size, self.device = rank, size, 0
         self.calls: list[tuple] = []
 
-    def _record(self, *call: object) -> "RecordingComm.Done":
+    def _record(self, *call: object) -> RecordingComm.Done:
         self.calls.append(call)
         return RecordingComm.Done(self.calls)
 

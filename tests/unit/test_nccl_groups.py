@@ -47,7 +47,8 @@ def test_store_group_on_nccl_keeps_the_process_alive_and_restores_the_environmen
         monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
     else:
         monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", user)
-    monkeypatch.setattr(dist, "ProcessGroupNCCL", type("PG", (_RecordingNCCL,), {"Options": dist.ProcessGroupNCCL.Options}))
+    recording = type("PG", (_RecordingNCCL,), {"Options": dist.ProcessGroupNCCL.Options})
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", recording)
     _RecordingNCCL.seen.clear()
     torch_pg.store_group(dist.HashStore(), "gen0/", 1, 2, "nccl", timedelta(seconds=9))
     (seen,) = _RecordingNCCL.seen

@@ -90,8 +90,10 @@ def test_heldout_split_and_eval_batches():
         ShardedLoader(toks[:100], 64, 1, 4, 0)
 
 
-@pytest.mark.parametrize("nbytes,why", [(12, "dataset of 12 tokens is too small to hold out"),
-                                        (6000, "each of the 4 data slices has 498 tokens, fewer than one window of seq_len \\+ 1 = 1001")])
+@pytest.mark.parametrize("nbytes,why", [
+    (12, "dataset of 12 tokens is too small to hold out"),
+    (6000, "each of the 4 data slices has 498 tokens, fewer than one window of seq_len \\+ 1 = 1001"),
+])
 def test_a_dataset_too_small_is_refused_before_launch(tmp_path, nbytes, why):
     from flcomm.train.checkpoint import check_before_launch
 
@@ -126,7 +128,8 @@ def test_builtin_corpus_and_user_files(tmp_path):
     with pytest.raises(ValueError, match="must be integers"):
         load_tokens(str(tmp_path / "f.npy"))
     np.save(tmp_path / "m.npy", ids[:100].reshape(10, 10))
-    with pytest.raises(ValueError, match=r"m.npy' holds an array of shape \(10, 10\); expected a 1-D array of token ids"):
+    with pytest.raises(ValueError,
+                       match=r"m.npy' holds an array of shape \(10, 10\); expected a 1-D array of token ids"):
         load_tokens(str(tmp_path / "m.npy"))
 
 
