@@ -156,3 +156,56 @@ def test_the_rules_can_fail(tmp_path: pathlib.Path):
     got = imports_of(src)
     assert {"flcomm.federated.topology", "flcomm.train.loop"} <= got
     assert imports_of(src, top_level_only=True) == {"typing"}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of ``graph`` (module -> the modules it imports): its strongly connected
+    components of more than one module, or of one that imports itself (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph.get(v, ()):
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_module_level_import_circle():
+    """No circle among flcomm's modules through what they import at import time (a function-level
+    import is lazy and may point up a layer's own modules; test_imports_go_down rules the layers)."""
+    graph = {}
+    for path in _sources():
+        me = _module_name(path)
+        graph[me] = {m for m in imports_of(path, top_level_only=True)
+                     if m.startswith("flcomm.") and m != me and _is_module(m)}
+    assert not import_cycles(graph), f"module-level import circles: {import_cycles(graph)}"
+
+
+def test_circles_are_found():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"a"}}) == [["a"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
