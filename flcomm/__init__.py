@@ -2,7 +2,7 @@
 
 Federation groups train with FSDP/HSDP on fast links; across groups only a FedAvg of the
 parameter shards crosses the slow links, every E local steps (Mittone & Aldinucci, FL+FSDP and
-FL+HSDP). See README.md.
+FL+HSDP). See README.md and docs/.
 
 The main entry points are importable from here (lazily, so ``import flcomm`` stays cheap)::
 

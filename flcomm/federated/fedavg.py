@@ -147,7 +147,7 @@ class FedAvg:
         overlap_steps: k in [1, sync_every], the steps between a sync and its apply (overlap).
         bucket_mb: bucket size of the exchange.
         residual_dtype: ``"fp32"`` or ``"bf16"`` (halves the error-feedback residuals; see the
-            README for its effect on the int8 error).
+            docs/memory.md for its effect on the int8 error).
         fragments: K, dividing ``sync_every``: the tensors are split into K fragments of about
             equal size (:func:`~flcomm.federated.shards.partition`), and fragment k syncs at the steps with
             ``(step - k E / K) % E == 0`` (Streaming DiLoCo), so each sync moves 1/K of the shard.

@@ -61,7 +61,7 @@ def _add_common(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     f.add_argument("--bucket-mb", type=float, default=d.bucket_mb)
     e = p.add_argument_group("elastic federation (fl-fsdp, fl-hsdp)")
     e.add_argument("--elastic", action=argparse.BooleanOptionalAction, default=d.elastic,
-                   help="a federation group that loses a rank is dropped; the others go on (README)")
+                   help="a federation group that loses a rank is dropped; the others go on (docs/fault-tolerance.md)")
     e.add_argument("--elastic-grace-s", type=float, default=d.elastic_grace_s,
                    help="how long a membership round waits for a silent rank before its group is out")
     e.add_argument("--min-groups", type=int, default=d.min_groups,
