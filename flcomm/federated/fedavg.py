@@ -88,7 +88,7 @@ from flcomm.federated.exchange import DeltaExchange, ExchangeResult, replicate_t
 from flcomm.federated.exposure import ExposedTime, cuda_event
 from flcomm.federated.inner import InnerState, sync_inner_state
 from flcomm.federated.outer import Outer, OuterOptimizer
-from flcomm.federated.persist import FedAvgCheckpoint
+from flcomm.federated.persist import FedAvgCheckpoint, fedavg_config
 from flcomm.federated.shards import broadcast, check_same_shards, collect_slots, partition
 
 if TYPE_CHECKING:
@@ -195,9 +195,11 @@ class FedAvg:
         self.overlap_steps = overlap_steps if self.overlap else 0
         self.bucket_mb = float(bucket_mb)
         self.sharded_exchange = sharded_exchange
-        # NOTE: the paper's mode averages the shards themselves, in place: nothing to keep
-        self.in_place = (self.codec == "none" and self.outer_kind is Outer.AVG and not self.overlap
-                         and not self.error_feedback)
+        #: the settings saved with the state (:func:`~flcomm.federated.persist.fedavg_config`)
+        self.checkpoint_config = fedavg_config(
+            sync_every=sync_every, codec=self.codec, outer=self.outer_kind.value, error_feedback=self.error_feedback,
+            inner_state=self.inner_state.value, overlap=self.overlap, fragments=fragments)
+        self.in_place = self.checkpoint_config["in_place"]
         self.topology = mesh.topology
         self.federated = self.topology.federated
         self.rank = mesh.rank
@@ -209,11 +211,8 @@ class FedAvg:
         self.kind, self.slots = collect_slots(model, mesh)
         if self.federated:
             self._init_federated(sync_init)
-        config = {"sync_every": sync_every, "codec": self.codec, "outer": self.outer_kind.value,
-                  "error_feedback": self.error_feedback, "inner_state": self.inner_state.value,
-                  "in_place": self.in_place, "fragments": fragments}
         self._checkpoint = FedAvgCheckpoint(
-            self.topology, config, rank=self.rank, elastic=federation is not None, overlap=self.overlap,
+            self.topology, self.checkpoint_config, rank=self.rank, elastic=federation is not None, overlap=self.overlap,
             names=[s.name for s in self.slots], is_param=[s.is_param for s in self.slots],
             anchors=self._anchor if self.federated else None, outer=self._outer,
             exchanges=lambda: [fr.exchange for fr in self._frags])

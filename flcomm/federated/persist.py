@@ -30,9 +30,33 @@ if TYPE_CHECKING:
     from flcomm.federated.outer import OuterOptimizer
     from flcomm.federated.topology import Topology
 
-__all__ = ["STATE_VERSION", "FedAvgCheckpoint"]
+__all__ = ["STATE_VERSION", "FedAvgCheckpoint", "config_mismatch", "fedavg_config"]
 
 STATE_VERSION = 1
+
+
+def fedavg_config(*, sync_every: int, codec: str, outer: str, error_feedback: bool, inner_state: str,
+                  overlap: bool, fragments: int) -> dict[str, Any]:
+    """The settings FedAvg saves with its state (:class:`FedAvgCheckpoint`'s ``config``), from
+    its parsed arguments: ``codec`` the resolved codec's name, ``outer`` and ``inner_state``
+    their enums' values. Also what a launch compares with a checkpoint's meta.json."""
+    # NOTE: the paper's mode averages the shards themselves, in place: nothing to keep
+    in_place = codec == "none" and outer == "avg" and not overlap and not error_feedback
+    return {"sync_every": sync_every, "codec": codec, "outer": outer, "error_feedback": bool(error_feedback),
+            "inner_state": inner_state, "in_place": in_place, "fragments": fragments}
+
+
+def config_mismatch(saved: dict[str, Any], run: dict[str, Any]) -> tuple[str, Any, Any] | None:
+    """The first setting that keeps a state saved with config ``saved`` from loading into a run
+    of config ``run`` (both :func:`fedavg_config` dicts), as ``(key, saved value, run value)``;
+    None when it loads. ``in_place``: a state of the paper's in-place mode keeps no anchor, so
+    a run that needs one cannot load it (the other way round loads: anchors are ignored)."""
+    for key in ("outer", "error_feedback", "fragments"):
+        if saved.get(key, 1 if key == "fragments" else None) != run[key]:
+            return key, saved.get(key), run[key]
+    if saved.get("in_place", False) and not run["in_place"]:
+        return "in_place", True, False
+    return None
 
 
 class FedAvgCheckpoint:
@@ -92,15 +116,14 @@ class FedAvgCheckpoint:
             mine, theirs = {k: mine[k] for k in keys}, {k: theirs.get(k) for k in keys}
         if theirs != mine:
             raise ValueError(f"FedAvg state is from another topology: saved {theirs}, this run has {mine}")
-        cfg = sd.get("config", {})
-        for key in ("outer", "error_feedback", "fragments"):
-            want = self.config[key]
-            if cfg.get(key, 1 if key == "fragments" else None) != want:
-                raise ValueError(f"FedAvg state was saved with {key}={cfg.get(key)!r}, this run has {key}={want!r}")
-        if cfg.get("in_place", False) and not self.config["in_place"]:
+        bad = config_mismatch(sd.get("config", {}), self.config)
+        if bad is not None and bad[0] == "in_place":
             raise ValueError("FedAvg state was saved in the paper's in-place mode, which keeps no anchor; this "
                              f"run (codec={self.config['codec']!r}, overlap={self.overlap}) needs one: resume in the "
                              "same mode")
+        if bad is not None:
+            key, have, want = bad
+            raise ValueError(f"FedAvg state was saved with {key}={have!r}, this run has {key}={want!r}")
 
     def load(self, sd: dict, source: int | None = None) -> tuple[int, int, float | None]:
         """Check ``sd`` (:meth:`check_compatible`) and restore this rank's tensors from the entry

@@ -20,9 +20,10 @@ What is saved:
   * ``rank{r}.state.pt``: per rank, tensors and plain types only (torch.save): the FedAvg
     state (its anchor shard, residuals and counters are per rank), the data position, the RNG
     states, the step;
-  * ``meta.json``: format, step, strategy, topology, model shape, seed, data record, and the
-    size and SHA-256 of every other file: a resume with another topology, model, seed or
-    data is refused, and a corrupt file is named, before anything is loaded.
+  * ``meta.json``: format, step, strategy, topology, model shape, seed, data record, FedAvg's
+    settings (``fedavg``, federated runs), and the size and SHA-256 of every other file: a
+    resume with another topology, model, seed, data or FedAvg settings it cannot load is
+    refused, and a corrupt file is named, before anything is loaded.
 
 Loading never unpickles arbitrary objects: the rank state and DCP's non-tensor items load with
 ``torch.load(weights_only=True)``, and DCP's own ``.metadata`` pickle with an unpickler that
@@ -55,6 +56,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flcomm.federated.exchange import resolve_codec
+from flcomm.federated.inner import InnerState
+from flcomm.federated.outer import Outer
+from flcomm.federated.persist import config_mismatch, fedavg_config
 from flcomm.train.config import TrainConfig, resolve_topology
 from flcomm.train.data import check_vocab, data_record, data_source, load_tokens, same_data, split_for_ranks
 
@@ -525,8 +530,8 @@ def newest_step_checkpoints(root: str) -> dict[int, str]:
 def check_before_launch(cfg: TrainConfig, world_size: int) -> Topology:
     """What can be refused before any process starts: the topology against the world size,
     the model (``seq_len`` within its ``max_seq_len``), the data file and its token ids, and
-    a checkpoint to resume from (its files' hashes, and the same topology, model, seed and,
-    without ``allow_data_change``, data)."""
+    a checkpoint to resume from (its files' hashes, and the same topology, model, seed,
+    FedAvg settings (:func:`check_fedavg`) and, without ``allow_data_change``, data)."""
     topo = resolve_topology(cfg, world_size, cfg.ranks_per_node)
     if cfg.elastic and cfg.min_groups > topo.num_groups:
         raise ValueError(f"--min-groups {cfg.min_groups} exceeds the {topo.num_groups} federation groups of "
@@ -543,8 +548,48 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> Topology:
             meta = read_meta(path)
             check_compatible(meta, topo, mcfg.to_dict(), path, same_group_shape=cfg.elastic)
             check_resume(meta, run_meta, path, cfg.allow_data_change)
+            if cfg.federated:
+                check_fedavg(meta, run_fedavg_config(cfg), path)
             verify_files(path, meta)
     return topo
+
+
+def run_fedavg_config(cfg: TrainConfig) -> dict[str, Any]:
+    """The FedAvg settings the ranks of ``cfg`` will save (``FedAvg.checkpoint_config``), derived
+    as :func:`flcomm.train.run.build_run` builds FedAvg: the same arguments, parsed by the same
+    parsers, through the same :func:`~flcomm.federated.persist.fedavg_config`."""
+    return fedavg_config(sync_every=cfg.sync_every, codec=resolve_codec(cfg.codec).name,
+                         outer=Outer.parse(cfg.outer).value, error_feedback=bool(cfg.error_feedback),
+                         inner_state=InnerState.parse(cfg.inner_state).value, overlap=bool(cfg.overlap),
+                         fragments=cfg.fragments)
+
+
+def check_fedavg(meta: dict[str, Any], run: dict[str, Any], path: str) -> None:
+    """Refuse to resume a run of FedAvg config ``run`` from a checkpoint whose FedAvg state it
+    cannot load, by the rule the ranks apply
+    (:func:`~flcomm.federated.persist.config_mismatch`). A checkpoint without ``fedavg`` in
+    meta.json (written before it was recorded) is left to the ranks' check."""
+    saved = meta.get("fedavg")
+    bad = None if not isinstance(saved, dict) else config_mismatch(saved, run)
+    if bad is None:
+        return
+    key, have, want = bad
+    if key == "in_place":
+        # NOTE: outer and error_feedback matched (checked first), so --codec or --overlap differs
+        why = f"--codec {run['codec']}" if run["codec"] != "none" else "--overlap"
+        raise ValueError(f"checkpoint {path} was written in the paper's in-place mode (--codec none, --outer avg, "
+                         f"no --overlap, no --error-feedback), which keeps no anchor; this run has {why} and "
+                         "needs one; resume with the same FedAvg settings")
+    raise ValueError(f"checkpoint {path} was written with {_flag(key, have)}, this run has {_flag(key, want)}; "
+                     "resume with the same FedAvg settings")
+
+
+def _flag(key: str, value: Any) -> str:
+    """A FedAvg setting as its command-line flag (``--outer avg``, ``--no-error-feedback``)."""
+    name = key.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"--no-{name}"
+    return f"--{name} {value}"
 
 
 def _resume_candidates(cfg: TrainConfig) -> list[str]:

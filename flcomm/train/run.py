@@ -260,6 +260,8 @@ def build_run(cfg: TrainConfig, monitor: Monitor, store: Any = None) -> Run:
     mcfg = cfg.model_config()
     meta = {"strategy": cfg.strategy, "topology": topo.to_dict(), "model": mcfg.to_dict(), "seed": cfg.seed,
             "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "data": data_rec}
+    if fed is not None:  # NOTE: what check_before_launch compares before a resume starts the ranks
+        meta["fedavg"] = dict(fed.checkpoint_config)
     info = {"world_size": P, "mesh_shape": list(topo.mesh_shape), "ranks_per_node": topo.ranks_per_node,
             "group_size": topo.group_size, "shard_size": topo.shard_size, "num_params": mcfg.num_params(),
             "tokens_per_step": P * cfg.batch_size * cfg.seq_len, "backend": backend,

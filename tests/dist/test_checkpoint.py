@@ -305,6 +305,45 @@ def test_resume_refuses_other_data_or_seed(scenario, tmp_path):
         check_before_launch(TrainConfig(**{**BASE, "seed": 1}, checkpoint_dir=a_dir, resume=True), 4)
 
 
+def test_resume_with_other_fedavg_settings_is_refused_before_launch(scenario, tmp_path, monkeypatch):
+    """A resume with --outer nesterov over a plain-average checkpoint is refused by the
+    launcher before any rank starts, naming the checkpoint, the setting and both values; an
+    older checkpoint (no ``fedavg`` in meta.json) is left to the ranks' check."""
+    import torch.multiprocessing as mp
+
+    from flcomm.train.launch import launch_local
+
+    _, root = scenario
+    a_dir = os.path.join(root, "a")
+    path = ckpt.latest_checkpoint(a_dir)
+    # meta.json records what every rank's state file saved as FedAvg's config
+    rank_cfg = torch.load(os.path.join(path, "rank0.state.pt"), weights_only=True)["fed"]["config"]
+    assert ckpt.read_meta(path)["fedavg"] == rank_cfg and rank_cfg["outer"] == "avg"
+
+    def no_ranks(*_: object, **__: object) -> None:
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(mp, "get_context", no_ranks)
+    logs = tmp_path / "logs"
+    cfg = TrainConfig(**BASE, outer="nesterov", checkpoint_dir=a_dir, resume=True, log_dir=str(logs))
+    with pytest.raises(ValueError, match=f"checkpoint {path} was written with --outer avg, this run has --outer "
+                                         "nesterov; resume with the same FedAvg settings"):
+        launch_local(cfg, 4)
+    assert not logs.exists()  # NOTE: the launcher creates it right after the checks, before the ranks
+    with pytest.raises(ValueError, match="written with --no-error-feedback, this run has --error-feedback"):
+        check_before_launch(TrainConfig(**BASE, error_feedback=True, checkpoint_dir=a_dir, resume=True), 4)
+    with pytest.raises(ValueError, match="in-place mode .* this run has --codec int8 and needs one"):
+        check_before_launch(TrainConfig(**BASE, codec="int8", checkpoint_dir=a_dir, resume=True), 4)
+    check_before_launch(TrainConfig(**BASE, checkpoint_dir=a_dir, resume=True), 4)  # the same: accepted
+    old_dir = _copy_ckpt(root, tmp_path)
+    old = ckpt.latest_checkpoint(old_dir)
+    meta = ckpt.read_meta(old)
+    del meta["fedavg"]
+    with open(os.path.join(old, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    check_before_launch(TrainConfig(**BASE, outer="nesterov", checkpoint_dir=old_dir, resume=True), 4)
+
+
 def test_rng_state_is_the_same_run_to_run(scenario):
     _, root = scenario
     a = torch.load(os.path.join(root, "a", "step_00000006", "rank2.state.pt"), weights_only=True)
