@@ -1,7 +1,7 @@
 """The checks of FedAvg's settings, before anything is built: :func:`check_config` for those that
-need no model or mesh (the driver calls it through :meth:`FedAvg.check_config
-<flcomm.federated.fedavg.FedAvg.check_config>` before it launches anything), :func:`check_inputs`
-for the mesh and the optimizer, :func:`one_device` for the averaged tensors."""
+need no model or mesh (:meth:`TrainConfig.check_federation
+<flcomm.train.config.TrainConfig.check_federation>` calls it before anything launches),
+:func:`check_inputs` for the mesh and the optimizer, :func:`one_device` for the averaged tensors."""
 
 from __future__ import annotations
 
@@ -31,13 +31,13 @@ def check_config(*, sync_every: Any, bucket_mb: Any = 25.0, overlap_steps: Any =
     integer("fragments (K)", fragments, 1)
     if sync_every % fragments:
         raise ValueError(f"fragments (K) must divide sync_every={sync_every}, got {fragments!r}")
-    if fragments > 1 and InnerState.parse(inner_state) is not InnerState.KEEP:
+    inner = InnerState.parse(inner_state)
+    if fragments > 1 and inner is not InnerState.KEEP:
         raise ValueError(f"inner_state={inner_state!r} is not supported with fragments > 1 (only 'keep')")
-    InnerState.parse(inner_state)
     if elastic and fragments > 1 and overlap:
         raise ValueError("an elastic federation does not support overlap with fragments > 1 (a membership "
                          "change would meet another fragment's round in flight); use one of them")
-    if elastic and InnerState.parse(inner_state) is not InnerState.KEEP:
+    if elastic and inner is not InnerState.KEEP:
         raise ValueError(f"inner_state={inner_state!r} is not supported by an elastic federation (only 'keep': "
                          "a redone round cannot undo an averaged or reset optimizer state)")
     if residual_dtype not in RESIDUAL_DTYPES:

@@ -138,11 +138,12 @@ class TrainConfig:
         self.check_federation()
 
     def check_federation(self) -> None:
-        """The FedAvg settings, by FedAvg's own check (before any process starts)."""
+        """The FedAvg settings, by FedAvg's own check (:func:`flcomm.federated.config.check_config`),
+        before any process starts."""
         check_config(sync_every=self.sync_every, bucket_mb=self.bucket_mb, overlap_steps=self.overlap_steps,
-                            fragments=self.fragments, inner_state=self.inner_state,
-                            residual_dtype=self.residual_dtype, offload=self.offload, codec=self.codec,
-                            outer=self.outer, elastic=self.elastic, overlap=self.overlap)
+                     fragments=self.fragments, inner_state=self.inner_state, residual_dtype=self.residual_dtype,
+                     offload=self.offload, codec=self.codec, outer=self.outer, elastic=self.elastic,
+                     overlap=self.overlap)
 
     @property
     def federated(self) -> bool:
