@@ -394,7 +394,7 @@ def run_elastic_fault(phase: str, workdir: str, grace_s: float = 3.0, rejoin: bo
         # sync_every, is its last committed one; it had begun the steps up to its last heartbeat;
         # a group's step is a step's tokens (cumulative: over the steps) over the groups that ran it
         res.fault_step = int(first["step"]) if first is not None else None
-        last_round = lost[0]["step"] - m.config["sync_every"]
+        last_round = lost[0]["step"] - m.config["fedavg"]["sync_every"]
         per_group_step = m.steps[0]["tokens"] / m.steps[0]["step"] / len(lost[0]["previous_groups"])
         if res.fault_step is not None:
             lost_tokens = (res.fault_step - last_round) * per_group_step

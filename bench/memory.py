@@ -51,10 +51,10 @@ from torch import nn
 
 MODES: dict[str, dict[str, Any]] = {
     "paper (none)": {},
-    "none, overlap": {"overlap": True},
+    "none, overlap": {"overlap_steps": 1},
     "int8+EF": {"codec": "int8", "error_feedback": True},
-    "int8+EF, overlap, nesterov": {"codec": "int8", "error_feedback": True, "overlap": True, "outer": "nesterov"},
-    "int8+EF, ovl, nest, offload": {"codec": "int8", "error_feedback": True, "overlap": True,
+    "int8+EF, overlap, nesterov": {"codec": "int8", "error_feedback": True, "overlap_steps": 1, "outer": "nesterov"},
+    "int8+EF, ovl, nest, offload": {"codec": "int8", "error_feedback": True, "overlap_steps": 1,
                                     "outer": "nesterov", "offload": "cpu"},
     "int8+EF, bf16 residual": {"codec": "int8", "error_feedback": True, "residual_dtype": "bf16"},
     "int8+EF, fragments=4": {"codec": "int8", "error_feedback": True, "fragments": 4},

@@ -4,10 +4,10 @@ overlapped steps, measured side by side in one run.
 Per codec, every rank runs the same training loop (FL+FSDP, the reference Transformer, random
 tokens) in two parts:
 
-1. blocking: ``FedAvg(overlap=False)``; the blocking exchange time is FedAvg's exposed time per
+1. blocking: ``FedAvg(overlap_steps=0)``; the blocking exchange time is FedAvg's exposed time per
    sync (the loop waits for all of it);
 2. compute only and overlap in turns, on one model: blocks of ``(B + 1) * E`` steps (B =
-   ``--block-syncs``) without FedAvg and with ``FedAvg(overlap=True, overlap_steps=k)``, C O C O
+   ``--block-syncs``) without FedAvg and with ``FedAvg(overlap_steps=k)``, C O C O
    ... C, ``--repeat`` overlapped blocks. An overlapped block ends with ``finish()``, untimed, so
    the exchange its last step starts does not reach into the next block; the exchanges applied
    within the block (B per block with one fragment) are what it measured. Its extra time over
@@ -67,7 +67,7 @@ def _build(a: argparse.Namespace, mesh: Any, codec: str, overlap: bool) -> tuple
     shard_model(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fed = FedAvg(model, mesh, sync_every=a.sync_every, codec=codec, error_feedback=codec != "none",
-                 overlap=overlap, overlap_steps=a.overlap_steps, bucket_mb=a.bucket_mb, fragments=a.fragments)
+                 overlap_steps=a.overlap_steps if overlap else 0, bucket_mb=a.bucket_mb, fragments=a.fragments)
     g = torch.Generator().manual_seed(a.seed * 1000 + mesh.rank)
     vocab = model.cfg.vocab_size if hasattr(model, "cfg") else 256
     return model, opt, fed, lambda: torch.randint(0, vocab, (a.batch_size, a.seq_len + 1), generator=g)
@@ -138,12 +138,12 @@ def _slowest(x: float) -> float:
 
 
 def rank_main(a: argparse.Namespace) -> list[dict[str, Any]]:
-    from flcomm.federated.topology import Topology
+    from flcomm.federated.strategy import Strategy
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=a.timeout))
     world = dist.get_world_size()
     torch.set_num_threads(a.threads)
-    topo = Topology.fl_fsdp(world, a.ranks_per_node, group_size=a.group_size)
+    topo = Strategy.FL_FSDP.topology(world, a.ranks_per_node, group_size=a.group_size)
     mesh = topo.build("cpu", timeout=timedelta(seconds=a.timeout), hierarchical=False)
     records = _measure(a, mesh)
     dist.destroy_process_group()

@@ -51,6 +51,7 @@ if ROOT not in sys.path:
 
 from flcomm import costmodel as cm  # noqa: E402
 from flcomm.codecs import CODECS  # noqa: E402
+from flcomm.federated.config import AUTO, FedAvgConfig  # noqa: E402
 from flcomm.federated.strategy import Strategy  # noqa: E402
 
 DEFAULT_RUNS = ("fsdp", "hsdp", "fl-fsdp:E=8:codec=int8", "fl-hsdp:E=8:codec=int8",
@@ -110,6 +111,11 @@ class RunSpec:
     def federated(self) -> bool:
         return self.strategy.federated
 
+    def fedavg(self) -> FedAvgConfig:
+        """The FedAvg settings of this run (``overlap``: ``overlap_steps="auto"``)."""
+        return FedAvgConfig(sync_every=self.sync_every, codec=self.codec, overlap_steps=AUTO if self.overlap else 0,
+                            fragments=self.fragments, sharded_exchange=False if self.unsharded else None)
+
     def label(self) -> str:
         s = self.strategy.value
         if self.federated:
@@ -124,7 +130,7 @@ class RunSpec:
         a = ["--strategy", self.strategy.value]
         if self.federated:
             a += ["--sync-every", str(self.sync_every), "--codec", self.codec,
-                  "--overlap" if self.overlap else "--no-overlap"]
+                  "--overlap-steps", AUTO if self.overlap else "0"]
             if self.fragments > 1:
                 a += ["--fragments", str(self.fragments)]
             if self.unsharded:
@@ -256,17 +262,16 @@ def run_torchrun(a: argparse.Namespace, specs: list[RunSpec], out_dir: str,
                     seed=a.seed, eval_every=a.eval_every, eval_batches=a.eval_batches, ranks_per_node=L,
                     backend=a.backend, progress=False)
         cal_path = os.path.join(out_dir, "calibration.jsonl")
-        train(TrainConfig(strategy="fl-fsdp", group_size=1, sync_every=10 ** 9, metrics=cal_path, **base))
+        train(TrainConfig(strategy="fl-fsdp", group_size=1, fedavg=FedAvgConfig(sync_every=10 ** 9), metrics=cal_path,
+                          **base))
         results = []
         for i, spec in enumerate(specs):
             path = os.path.join(out_dir, f"{i:02d}_{spec.slug()}.jsonl")
             if rank == 0:
                 log(f"run {i + 1}/{len(specs)}: {spec.label()}")
             t0 = time.perf_counter()
-            train(TrainConfig(strategy=spec.strategy.value, sync_every=spec.sync_every, codec=spec.codec,
-                              overlap=spec.overlap, group_size=spec.group_size, shard_size=spec.shard_size,
-                              fragments=spec.fragments, sharded_exchange=False if spec.unsharded else None,
-                              hierarchical=spec.hierarchical, metrics=path, **base))
+            train(TrainConfig(strategy=spec.strategy.value, fedavg=spec.fedavg(), group_size=spec.group_size,
+                              shard_size=spec.shard_size, hierarchical=spec.hierarchical, metrics=path, **base))
             if rank == 0:
                 results.append(_read(spec, path, time.perf_counter() - t0, None))
         if rank != 0:

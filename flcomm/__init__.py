@@ -6,9 +6,9 @@ FL+HSDP). See README.md and docs/.
 
 The main entry points are importable from here (lazily, so ``import flcomm`` stays cheap)::
 
-    topo = flcomm.Topology.fl_fsdp(world_size, ranks_per_node, group_size=8)
+    topo = flcomm.Strategy.FL_FSDP.topology(world_size, ranks_per_node, group_size=8)
     mesh = topo.build("cuda")
-    fed = flcomm.FedAvg(model, mesh, sync_every=8, codec="int8")
+    fed = flcomm.FedAvg(model, mesh, flcomm.FedAvgConfig(sync_every=8, codec="int8"))
 
 Layers (imports only go down; ``tests/unit/test_layering.py`` parses every import, lazy and
 type-only ones included, and checks these rules):
@@ -43,10 +43,25 @@ except PackageNotFoundError:  # a source tree on sys.path that was never install
     __version__ = "0+unknown"
 
 _LAZY = {
-    "Topology": "flcomm.federated.topology",
-    "FedMesh": "flcomm.federated.topology",
+    # the topology and its runtime mesh
     "Strategy": "flcomm.federated.strategy",
+    "Topology": "flcomm.federated.topology",
+    "FedMesh": "flcomm.federated.mesh",
+    # FedAvg across federation groups
     "FedAvg": "flcomm.federated.fedavg",
+    "FedAvgConfig": "flcomm.federated.config",
+    "Federation": "flcomm.federated.elastic",
+    # the FSDP hooks (FSDP2 and FSDP1)
+    "apply_hierarchical_collectives": "flcomm.fsdp.fsdp2",
+    "apply_all_reduce_hook": "flcomm.fsdp.fsdp2",
+    "register_hierarchical_comm_hook": "flcomm.fsdp.fsdp1",
+    # errors a training script may catch
+    "NonFiniteAverageError": "flcomm.federated.fedavg",
+    "GroupLostError": "flcomm.federated.elastic",
+    "TooFewGroupsError": "flcomm.federated.elastic",
+    "EngineError": "flcomm.comm.engine",
+    "EngineTimeout": "flcomm.comm.engine",
+    # collectives, codecs and transports, for use without FSDP
     "get_codec": "flcomm.codecs",
     "compressed_all_reduce": "flcomm.collectives.compressed",
     "BucketedAllReduce": "flcomm.collectives.bucketing",
@@ -58,3 +73,7 @@ _LAZY = {
 
 __all__ = ["__version__", "build_info", *_LAZY]
 __getattr__ = lazy_exports(__name__, _LAZY)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -100,7 +100,7 @@ class Job:
                     finally:
                         # NOTE: a failed job may have queued kernels before it raised: the end
                         # event orders the caller's recovery (an elastic restore) after them
-                        ev = torch.cuda.Event()
+                        ev = torch.cuda.Event(enable_timing=True)
                         ev.record(stream)
                         self._event = ev
             self.stage = "done"
@@ -118,6 +118,15 @@ class Job:
     def host_done(self, timeout: float = 0.0) -> bool:
         """The job's function has returned or raised (waits up to ``timeout`` seconds)."""
         return self._done.wait(timeout)
+
+    def seconds(self) -> float:
+        """How long the job took, once done: on CUDA from the point of the caller's stream where it
+        was submitted to the end of its work on the communication stream (this waits for that
+        end); on the CPU its function's run time."""
+        if self._event is not None and self._start_event is not None:
+            self._event.synchronize()
+            return self._start_event.elapsed_time(self._event) / 1e3
+        return self.elapsed_s
 
     def is_completed(self) -> bool:
         if not self._done.is_set():
@@ -185,7 +194,7 @@ class ProgressEngine:
         if self.stream is not None:
             # NOTE: the job reads what the caller's stream produced: its stream waits for it
             job._device = self.device
-            job._start_event = torch.cuda.Event()
+            job._start_event = torch.cuda.Event(enable_timing=True)
             job._start_event.record(torch.cuda.current_stream(self.device))
         self._ensure_thread()
         self._queue.put(job)

@@ -1,51 +1,215 @@
-"""The checks of FedAvg's settings, before anything is built: :func:`check_config` for those that
-need no model or mesh (:meth:`TrainConfig.check_federation
-<flcomm.train.config.TrainConfig.check_federation>` calls it before anything launches),
-:func:`check_inputs` for the mesh and the optimizer, :func:`one_device` for the averaged tensors."""
+"""FedAvg's settings, in one place: :class:`FedAvgConfig`.
+
+One frozen object holds every setting of the FedAvg synchronizer, checked once, when it is made
+(``__post_init__``). :class:`~flcomm.federated.fedavg.FedAvg` takes it, the reference trainer's
+:class:`~flcomm.train.config.TrainConfig` holds it, the command line's FedAvg flags are made from
+its fields (:meth:`FedAvgConfig.add_arguments`), the cost model's
+:class:`~flcomm.costmodel.model.Plan` carries it, and a checkpoint records it
+(:meth:`FedAvgConfig.to_dict`)::
+
+    cfg = FedAvgConfig(sync_every=8, codec="int8", error_feedback=True, overlap_steps="auto")
+    fed = FedAvg(model, mesh, cfg)              # or FedAvg(model, mesh, sync_every=8, ...)
+
+Also here: :func:`check_inputs` (the mesh and the optimizer FedAvg is given) and
+:func:`one_device` (the averaged tensors).
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
-from flcomm.federated.exchange import resolve_codec
+from flcomm.codecs import CODECS, Codec, get_codec
 from flcomm.federated.inner import InnerState
 from flcomm.federated.outer import Outer
+from flcomm.kernels import BLOCKED_FORMATS
 from flcomm.validate import integer, number
 
-__all__ = ["RESIDUAL_DTYPES", "check_config", "check_inputs", "one_device"]
+__all__ = ["AUTO", "RESIDUAL_DTYPES", "FedAvgConfig", "check_inputs", "one_device"]
 
 RESIDUAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+AUTO = "auto"  # overlap_steps: FedAvg picks k from the first exchanges (flcomm.federated.autotune)
 
 
-def check_config(*, sync_every: Any, bucket_mb: Any = 25.0, overlap_steps: Any = 1, fragments: Any = 1,
-                 inner_state: Any = "keep", residual_dtype: Any = "fp32", offload: Any = None,
-                 codec: Any = "none", outer: Any = "avg", elastic: bool = False, overlap: bool = False) -> None:
-    """ValueError naming the setting, what is allowed and what came, for the settings that need
-    no model or mesh."""
-    integer("sync_every (E, local steps between syncs)", sync_every, 1)
-    number("bucket_mb", bucket_mb, 0, lo_open=True)
-    integer("overlap_steps (k, steps between a sync and its apply)", overlap_steps, 1, sync_every,
-            also=" (at most sync_every)")
-    integer("fragments (K)", fragments, 1)
-    if sync_every % fragments:
-        raise ValueError(f"fragments (K) must divide sync_every={sync_every}, got {fragments!r}")
-    inner = InnerState.parse(inner_state)
-    if fragments > 1 and inner is not InnerState.KEEP:
-        raise ValueError(f"inner_state={inner_state!r} is not supported with fragments > 1 (only 'keep')")
-    if elastic and fragments > 1 and overlap:
-        raise ValueError("an elastic federation does not support overlap with fragments > 1 (a membership "
-                         "change would meet another fragment's round in flight); use one of them")
-    if elastic and inner is not InnerState.KEEP:
-        raise ValueError(f"inner_state={inner_state!r} is not supported by an elastic federation (only 'keep': "
-                         "a redone round cannot undo an averaged or reset optimizer state)")
-    if residual_dtype not in RESIDUAL_DTYPES:
-        raise ValueError(f"residual_dtype must be one of {list(RESIDUAL_DTYPES)}, got {residual_dtype!r}")
-    if offload not in (None, "cpu"):
-        raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
-    resolve_codec(codec)
-    Outer.parse(outer)
+def _setting(default: Any, help: str, source: str = "flcomm") -> Any:
+    """A field of :class:`FedAvgConfig` with its command-line help and where it comes from."""
+    return field(default=default, metadata={"help": help, "source": source})
+
+
+@dataclass(frozen=True)
+class FedAvgConfig:
+    """Every setting of FedAvg (:mod:`flcomm.federated.fedavg`), checked when it is made: a bad
+    value raises ValueError naming the field, what is allowed and what came.
+
+    The help of each field (``dataclasses.fields(FedAvgConfig)[i].metadata["help"]``) is also its
+    command-line help; ``metadata["source"]`` says where the setting comes from: the paper
+    (Mittone & Aldinucci), DiLoCo, Streaming DiLoCo, or flcomm.
+    """
+
+    sync_every: int = _setting(8, "E: local steps between syncs", "paper")
+    codec: str = _setting("none", f"wire codec of the exchange: {', '.join(CODECS)} (a Codec object is "
+                                  "kept as given)")
+    block_size: int | None = _setting(None, "elements per scale of the int8 / fp8 codecs (default: the "
+                                            "codec's own)")
+    error_feedback: bool = _setting(False, "keep what the codec dropped and add it to the next round's delta")
+    outer: str = _setting("avg", f"outer update: {', '.join(Outer.values())} (avg: the paper's plain "
+                                 "average; nesterov: DiLoCo's SGD with Nesterov momentum)", "paper / DiLoCo")
+    outer_lr: float = _setting(0.7, "learning rate of the nesterov outer optimizer", "DiLoCo")
+    outer_momentum: float = _setting(0.9, "momentum of the nesterov outer optimizer, in [0, 1)", "DiLoCo")
+    inner_state: str = _setting("keep", f"the inner optimizer's state at a sync: {', '.join(InnerState.values())}"
+                                        " (average and reset need the optimizer)", "paper")
+    overlap_steps: int | str = _setting(0, "k: apply each exchange k steps after its sync, while training "
+                                           "goes on (0: blocking; 1..E; 'auto': the smallest k that hides "
+                                           "the exchange, measured on the first syncs)", "Streaming DiLoCo")
+    fragments: int = _setting(1, "K, dividing E: sync 1/K of the shard every E/K steps", "Streaming DiLoCo")
+    bucket_mb: float = _setting(25.0, "bucket size of the exchange, in MiB")
+    offload: str | None = _setting(None, "'cpu': keep the anchor, own delta, momentum and residuals in host "
+                                         "memory (page-locked on CUDA)")
+    residual_dtype: str = _setting("fp32", f"dtype of the error-feedback residuals: {', '.join(RESIDUAL_DTYPES)}")
+    sharded_exchange: bool | None = _setting(None, "FL+HSDP: each of the R replicas exchanges 1/R of the "
+                                                   "shard, then they all-gather (None: on when R > 1)")
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        # NOTE: a Codec object is kept as given (a custom codec, or one with its own options); the
+        # field then holds its name, and block_size its block size
+        codec_obj = self.codec if isinstance(self.codec, Codec) else None
+        if codec_obj is not None:
+            if self.block_size is not None:
+                raise ValueError(f"block_size={self.block_size!r} given with a codec object {codec_obj!r}: "
+                                 "set the block size on the codec")
+            set_(self, "codec", codec_obj.name)
+            set_(self, "block_size", getattr(codec_obj, "block_size", None))
+        elif not isinstance(self.codec, str):
+            raise ValueError(f"codec must be a name ({', '.join(CODECS)}) or a Codec, got {self.codec!r}")
+        else:
+            set_(self, "codec", self.codec.strip().lower())
+            if self.block_size is not None:
+                integer("block_size", self.block_size, 1)
+                if getattr(get_codec(self.codec), "fmt", None) not in BLOCKED_FORMATS:
+                    raise ValueError(f"block_size applies to the blockwise codecs (int8, fp8), got "
+                                     f"block_size={self.block_size!r} with codec {self.codec!r}")
+            codec_obj = get_codec(self.codec, **({} if self.block_size is None else {"block_size": self.block_size}))
+        set_(self, "_codec", codec_obj)
+        integer("sync_every (E, local steps between syncs)", self.sync_every, 1)
+        set_(self, "outer", Outer.parse(self.outer).value)
+        set_(self, "inner_state", InnerState.parse(self.inner_state).value)
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"error_feedback must be True or False, got {self.error_feedback!r}")
+        number("outer_lr", self.outer_lr, 0, lo_open=True)
+        number("outer_momentum", self.outer_momentum, 0, 1, hi_open=True)
+        integer("fragments (K)", self.fragments, 1)
+        if self.sync_every % self.fragments:
+            raise ValueError(f"fragments (K) must divide sync_every={self.sync_every}, got {self.fragments!r}")
+        if self.overlap_steps != AUTO:
+            integer("overlap_steps (k, steps between a sync and its apply; 0: blocking)", self.overlap_steps, 0,
+                    self.sync_every, also=f" (at most sync_every) or {AUTO!r}")
+        if self.fragments > 1 and self.inner_state != InnerState.KEEP.value:
+            raise ValueError(f"inner_state={self.inner_state!r} is not supported with fragments > 1 (only 'keep')")
+        number("bucket_mb", self.bucket_mb, 0, lo_open=True)
+        if self.offload not in (None, "cpu"):
+            raise ValueError(f"offload must be None or 'cpu', got {self.offload!r}")
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"residual_dtype must be one of {', '.join(RESIDUAL_DTYPES)}, got "
+                             f"{self.residual_dtype!r}")
+        if self.sharded_exchange is not None and not isinstance(self.sharded_exchange, bool):
+            raise ValueError(f"sharded_exchange must be None, True or False, got {self.sharded_exchange!r}")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def overlap(self) -> bool:
+        """The exchanges are applied later, while training goes on (``overlap_steps`` != 0)."""
+        return self.overlap_steps != 0
+
+    @property
+    def in_place(self) -> bool:
+        """The paper's mode (codec none, plain average, blocking, no error feedback): the shards
+        themselves are averaged in place, and FedAvg keeps no anchor."""
+        return self.codec == "none" and self.outer == "avg" and not self.overlap and not self.error_feedback
+
+    def make_codec(self) -> Codec:
+        """The codec object (the one given, or the named codec with ``block_size``)."""
+        return self._codec  # type: ignore[attr-defined]
+
+    def check_elastic(self) -> None:
+        """ValueError for the settings an elastic federation (:mod:`flcomm.federated.elastic`)
+        does not support."""
+        if self.fragments > 1 and self.overlap:
+            raise ValueError("an elastic federation does not support overlap with fragments > 1 (a membership "
+                             "change would meet another fragment's round in flight); use one of them")
+        if self.inner_state != InnerState.KEEP.value:
+            raise ValueError(f"inner_state={self.inner_state!r} is not supported by an elastic federation (only "
+                             "'keep': a redone round cannot undo an averaged or reset optimizer state)")
+
+    # ------------------------------------------------------------------ records
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain JSON values, plus ``in_place`` (what a checkpoint records)."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "in_place": self.in_place}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FedAvgConfig:
+        """The config a :meth:`to_dict` record describes (derived entries are ignored); ValueError
+        naming unknown keys."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names - {"in_place"})
+        if unknown:
+            raise ValueError(f"unknown FedAvg settings {unknown}; known: {', '.join(sorted(names))}")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def make(cls, config: FedAvgConfig | None = None, **settings: Any) -> FedAvgConfig:
+        """``config`` with ``settings`` replaced (a new default config when None); TypeError naming
+        an unknown setting."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(settings) - set(names))
+        if unknown:
+            hint = " (overlap is overlap_steps: 0, k >= 1 or 'auto')" if "overlap" in unknown else ""
+            raise TypeError(f"unknown FedAvg setting(s) {unknown}{hint}; the settings are: {', '.join(names)}")
+        if config is None:
+            return cls(**settings)
+        if not isinstance(config, cls):
+            raise TypeError(f"config must be a FedAvgConfig, got {type(config).__name__}")
+        if not settings:
+            return config
+        if "codec" not in settings and "block_size" not in settings:
+            # NOTE: a codec object given to the first config stays the codec
+            settings = {**settings, "codec": config.make_codec(), "block_size": None}
+        return dataclasses.replace(config, **settings)
+
+    # ------------------------------------------------------------------ command line
+    @classmethod
+    def add_arguments(cls, group: Any, defaults: FedAvgConfig | None = None) -> None:
+        """One flag per field on ``group`` (an argparse parser or group), ``--sync-every`` for
+        ``sync_every``, with the field's help and default; ``--overlap`` alone means
+        ``--overlap-steps auto``. :meth:`from_args` reads them back."""
+        d = defaults or cls()
+        for f in fields(cls):
+            flag, value, help_ = "--" + f.name.replace("_", "-"), getattr(d, f.name), f.metadata["help"]
+            if f.type in ("bool", "bool | None"):
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=value,
+                                   help=help_)
+            elif f.name == "overlap_steps":
+                group.add_argument(flag, dest=f.name, type=_overlap_steps, default=value,
+                                   help=help_ + " (default: %(default)s)")
+                group.add_argument("--overlap", dest=f.name, action="store_const", const=AUTO,
+                                   help="overlap the exchanges with compute: --overlap-steps auto")
+            else:
+                kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)
+                group.add_argument(flag, dest=f.name, type=kind, default=value,
+                                   help=help_ + " (default: %(default)s)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> FedAvgConfig:
+        """The config of the flags :meth:`add_arguments` made."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def _overlap_steps(text: str) -> int | str:
+    return AUTO if text.strip().lower() == AUTO else int(text)
 
 
 def check_inputs(mesh: Any, optimizer: Any, inner_state: InnerState) -> None:

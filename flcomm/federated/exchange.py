@@ -51,23 +51,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from flcomm.codecs import Codec, get_codec
+from flcomm.codecs import Codec
 from flcomm.collectives.bucketing import BucketedAllReduce, Segment, StagingPool, bucket_dtype
 
 if TYPE_CHECKING:
     from flcomm.collectives.compressed import TwoHopPlan
     from flcomm.comm.base import Transport
     from flcomm.comm.engine import Job
+    from flcomm.federated.mesh import FedMesh
     from flcomm.federated.outer import OuterOptimizer
-    from flcomm.federated.topology import FedMesh
 
-__all__ = ["DeltaExchange", "ExchangeResult", "SlicedAllReduce", "replicate_transport", "resolve_codec"]
-
-
-def resolve_codec(codec: str | Codec) -> Codec:
-    """The codec object for a name or a :class:`~flcomm.codecs.Codec` (kept as given, so its
-    block size survives); ValueError naming the known codecs otherwise."""
-    return get_codec(codec)
+__all__ = ["DeltaExchange", "ExchangeResult", "SlicedAllReduce", "replicate_transport"]
 
 
 def replicate_transport(mesh: FedMesh, sharded: bool | None) -> Transport | None:
@@ -84,8 +78,6 @@ def replicate_transport(mesh: FedMesh, sharded: bool | None) -> Transport | None
     training loop, and an overlapped exchange issuing there from the engine's thread would
     interleave with it differently on different ranks.
     """
-    if sharded is not None and not isinstance(sharded, bool):
-        raise TypeError(f"sharded_exchange must be None, True or False, got {sharded!r}")
     topo = mesh.topology
     if sharded is False or topo.num_replicas == 1 or not topo.federated:
         return None

@@ -4,7 +4,7 @@ Each federation group trains on its own with FSDP/HSDP; every ``sync_every`` (E)
 rank averages its local shard with the ranks holding the same shard in the other groups (the
 "fed" mesh dim), so only one shard-sized exchange per rank crosses the slow links::
 
-    fed = FedAvg(model, fed_mesh, sync_every=E, codec="int8", overlap=True)
+    fed = FedAvg(model, fed_mesh, sync_every=E, codec="int8", overlap_steps="auto")
     for batch in data:
         loss(model, batch).backward(); optimizer.step(); optimizer.zero_grad()
         fed.step()
@@ -33,7 +33,8 @@ job of the progress engine (:mod:`flcomm.comm.engine`), bucket by bucket
    The paper's mode (codec none, ``avg``, no overlap, no error feedback) averages the shards
    themselves, in place, in their own dtype: no anchor, no delta.
 5. Apply, on the caller's thread, reading the flags on the host once: without overlap at once;
-   with ``overlap=True`` ``overlap_steps`` (k) steps later (Streaming DiLoCo's tau), ``local += own``, i.e.::
+   with ``overlap_steps`` = k >= 1, k steps later (Streaming DiLoCo's tau; ``"auto"``: measured,
+   :mod:`flcomm.federated.autotune`), ``local += own``, i.e.::
 
        local += (new_anchor - old_anchor) - own_delta        # avg: mean(delta) - own_delta
 
@@ -47,12 +48,7 @@ tensors at the steps with ``(step - k E / K) % E == 0``, so each sync moves 1/K 
 (Streaming DiLoCo).
 With ``overlap_steps > E / K`` a fragment's apply meets another fragment's exchange in flight.
 
-Memory (:meth:`FedAvg.memory_stats`): the paper's mode keeps nothing but two staging buckets;
-the other modes keep the anchor, plus the residual (error feedback, fp32 or ``residual_dtype=
-"bf16"``), the own delta (overlap) and the momentum (nesterov), each kind one allocation
-(:func:`~flcomm.collectives.bucketing.arena`); ``offload="cpu"`` keeps these in host memory
-(page-locked on CUDA, exactly their bytes) and streams them through the buckets (with
-overlapping fragments the apply step through a scratch of its own: :mod:`flcomm.federated.exchange`).
+Memory: :mod:`flcomm.federated.memory` (:meth:`FedAvg.memory_stats`).
 
 An average with NaN/Inf, or built from a non-finite delta (which a lossy codec may hide), is
 refused: at the apply, the bad ranks (and a bit for buckets whose average overflowed) are OR-ed
@@ -63,7 +59,7 @@ applied theirs, so the error is fatal (restore a checkpoint). Only floating tens
 (see :mod:`flcomm.federated.shards` for buffers). Precision is never cut: fp64 tensors travel in
 fp64 (codec none; a lossy codec refuses them).
 
-Around it: settings are checked in :mod:`flcomm.federated.config`, checkpoints live in
+Around it: the settings are a :class:`~flcomm.federated.config.FedAvgConfig`, checkpoints live in
 :mod:`flcomm.federated.persist`; an elastic federation agrees on each round in the protocol,
 :meth:`Federation.run_round <flcomm.federated.elastic.Federation.run_round>`, with FedAvg's
 redo / restore / rebind / handover as callbacks.
@@ -71,6 +67,7 @@ redo / restore / rebind / handover as callbacks.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,22 +76,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from flcomm.codecs import Codec
 from flcomm.collectives.bucketing import StagingPool, arena, bucket_dtype
 from flcomm.comm.engine import Job, get_engine
-from flcomm.federated.config import RESIDUAL_DTYPES, check_config, check_inputs, one_device
+from flcomm.federated.autotune import AutoOverlap
+from flcomm.federated.config import AUTO, RESIDUAL_DTYPES, FedAvgConfig, check_inputs, one_device
 from flcomm.federated.elastic import snapshot
-from flcomm.federated.exchange import DeltaExchange, ExchangeResult, replicate_transport, resolve_codec
+from flcomm.federated.exchange import DeltaExchange, ExchangeResult, replicate_transport
 from flcomm.federated.exposure import ExposedTime, cuda_event
 from flcomm.federated.inner import InnerState, sync_inner_state
+from flcomm.federated.memory import memory_stats
 from flcomm.federated.outer import Outer, OuterOptimizer
-from flcomm.federated.persist import FedAvgCheckpoint, fedavg_config
+from flcomm.federated.persist import FedAvgCheckpoint
 from flcomm.federated.shards import broadcast, check_same_shards, collect_slots, partition
 
 if TYPE_CHECKING:
     from flcomm.federated.elastic import Federation
-    from flcomm.federated.topology import FedMesh
+    from flcomm.federated.mesh import FedMesh
 
+_log = logging.getLogger(__name__)
 LATE_EXCHANGES = 3  # overlap: this many exchanges in a row still running when due make FedAvg warn
 
 
@@ -135,29 +134,9 @@ class FedAvg:
             (``FullyShardedDataParallel`` at the root, process groups inside the federation
             group) or a plain module replicated inside the group.
         mesh: the :class:`~flcomm.federated.topology.FedMesh` of this rank.
-        sync_every: E >= 1, local steps between syncs.
-        codec: wire codec of the exchange, a name (``flcomm.codecs.CODECS``: none, bf16, fp16,
-            int8, fp8) or a :class:`~flcomm.codecs.Codec` object (used as given).
-        error_feedback: keep the compression error for the next round.
-        outer: ``avg`` (the paper) or ``nesterov`` (DiLoCo: SGD, Nesterov momentum).
-        outer_lr, outer_momentum: the nesterov outer optimizer's hyper-parameters.
-        inner_state: ``keep`` (the paper), ``average`` or ``reset``; the last two need
-            ``optimizer``. ``average`` is always blocking (also with ``overlap``).
-        overlap: apply the exchange later, while the next steps compute (module doc).
-        overlap_steps: k in [1, sync_every], the steps between a sync and its apply (overlap).
-        bucket_mb: bucket size of the exchange.
-        residual_dtype: ``"fp32"`` or ``"bf16"`` (halves the error-feedback residuals; see the
-            docs/memory.md for its effect on the int8 error).
-        fragments: K, dividing ``sync_every``: the tensors are split into K fragments of about
-            equal size (:func:`~flcomm.federated.shards.partition`), and fragment k syncs at the steps with
-            ``(step - k E / K) % E == 0`` (Streaming DiLoCo), so each sync moves 1/K of the shard.
-        offload: ``"cpu"`` keeps the anchor, own delta, outer momentum and residuals in host
-            memory (pinned on CUDA), streamed through the buckets during a sync.
-        sharded_exchange: FL+HSDP (R > 1 replicas of each shard in a group): replica r exchanges
-            only slice r of every bucket over the fed group and the slices are all-gathered inside
-            the group (:mod:`flcomm.federated.exchange`), so inter-group bytes drop by R. None
-            (default) or True: on when R > 1; False: every replica exchanges its whole shard.
-            The replicas must hold identical shards (HSDP, or DDP inside the group).
+        config: the settings, a :class:`~flcomm.federated.config.FedAvgConfig` (its fields say
+            what each one does); keyword ``settings`` replace fields of it (or of the default
+            config): ``FedAvg(model, mesh, sync_every=8, codec="int8", overlap_steps="auto")``.
         optimizer: the inner optimizer (needed by ``inner_state`` average / reset).
         federation: an elastic :class:`~flcomm.federated.elastic.Federation`: the exchange runs
             over its replaceable process groups, every round is agreed through the store, and a
@@ -167,38 +146,37 @@ class FedAvg:
             start from one point (the algorithm assumes it).
 
     Attributes:
+        config: the :class:`~flcomm.federated.config.FedAvgConfig` in use.
+        overlap_steps: k now (with ``overlap_steps="auto"`` the measured choice once made:
+            :mod:`flcomm.federated.autotune`).
         exposed_comm_s: cumulative seconds the training loop was blocked on the exchange (see
-            the property); with ``overlap`` only the part the compute did not hide.
+            the property); with overlap only the part the compute did not hide.
         num_syncs: exchanges applied so far.
         steps: ``step()`` calls so far.
     """
 
-    def __init__(self, model: nn.Module, mesh: FedMesh, *, sync_every: int, codec: str | Codec = "none",
-                 error_feedback: bool = False, outer: str = "avg", outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, inner_state: str = "keep", overlap: bool = False,
-                 overlap_steps: int = 1, bucket_mb: float = 25.0,
-                 optimizer: torch.optim.Optimizer | None = None, sync_init: bool = True,
-                 offload: str | None = None, residual_dtype: str = "fp32", fragments: int = 1,
-                 sharded_exchange: bool | None = None, federation: Federation | None = None) -> None:
-        check_config(sync_every=sync_every, bucket_mb=bucket_mb, overlap_steps=overlap_steps, fragments=fragments,
-                     inner_state=inner_state, residual_dtype=residual_dtype, offload=offload,
-                     elastic=federation is not None, overlap=overlap)
-        self.federation, self.fragments, self.offload = federation, fragments, offload
-        self.residual_dtype = RESIDUAL_DTYPES[residual_dtype]
-        self.codec_spec = resolve_codec(codec)
-        self.codec = self.codec_spec.name
-        self.outer_kind = Outer.parse(outer)
-        self.inner_state = InnerState.parse(inner_state)
+    def __init__(self, model: nn.Module, mesh: FedMesh, config: FedAvgConfig | None = None, *,
+                 optimizer: torch.optim.Optimizer | None = None, federation: Federation | None = None,
+                 sync_init: bool = True, **settings: Any) -> None:
+        cfg = self.config = FedAvgConfig.make(config, **settings)
+        if federation is not None:
+            cfg.check_elastic()
+        self.federation, self.fragments, self.offload = federation, cfg.fragments, cfg.offload
+        self.residual_dtype = RESIDUAL_DTYPES[cfg.residual_dtype]
+        self.codec_spec = cfg.make_codec()
+        self.codec = cfg.codec
+        self.outer_kind = Outer.parse(cfg.outer)
+        self.inner_state = InnerState.parse(cfg.inner_state)
         check_inputs(mesh, optimizer, self.inner_state)
-        self.model, self.mesh, self.optimizer, self.sync_every = model, mesh, optimizer, sync_every
-        self.error_feedback, self.overlap = bool(error_feedback), bool(overlap)
-        self.overlap_steps = overlap_steps if self.overlap else 0
-        self.bucket_mb = float(bucket_mb)
-        self.sharded_exchange = sharded_exchange
-        #: the settings saved with the state (:func:`~flcomm.federated.persist.fedavg_config`)
-        self.checkpoint_config = fedavg_config(
-            sync_every=sync_every, codec=self.codec, outer=self.outer_kind.value, error_feedback=self.error_feedback,
-            inner_state=self.inner_state.value, overlap=self.overlap, fragments=fragments)
+        self.model, self.mesh, self.optimizer, self.sync_every = model, mesh, optimizer, cfg.sync_every
+        self.error_feedback, self.overlap = cfg.error_feedback, cfg.overlap
+        # NOTE: "auto" measures with the largest k that keeps fragments apart, then settles
+        self._auto = AutoOverlap(cfg.sync_every // cfg.fragments) if cfg.overlap_steps == AUTO else None
+        self.overlap_steps = self._auto.k if self._auto is not None else cfg.overlap_steps
+        self.bucket_mb = cfg.bucket_mb
+        self.sharded_exchange = cfg.sharded_exchange
+        #: the settings saved with the state (:meth:`FedAvgConfig.to_dict`)
+        self.checkpoint_config = cfg.to_dict()
         self.in_place = self.checkpoint_config["in_place"]
         self.topology = mesh.topology
         self.federated = self.topology.federated
@@ -207,7 +185,7 @@ class FedAvg:
         self._exposure = ExposedTime(events=False)
         self._frags: list[_Fragment] = []
         self._warned_slow = False
-        self._outer = OuterOptimizer(self.outer_kind, outer_lr, outer_momentum)
+        self._outer = OuterOptimizer(self.outer_kind, cfg.outer_lr, cfg.outer_momentum)
         self.kind, self.slots = collect_slots(model, mesh)
         if self.federated:
             self._init_federated(sync_init)
@@ -308,6 +286,8 @@ class FedAvg:
         self.steps += 1
         if not self.federated:
             return False
+        if self._auto is not None:
+            self._auto.tick()
         did = False
         for fr in self._frags:
             if fr.job is not None:
@@ -362,39 +342,8 @@ class FedAvg:
         self._exposure.reset(value)
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes this FedAvg holds, per buffer kind (``anchor``, ``own``, ``momentum``,
-        ``residual``, ``staging``: the exchange's device pool of bucket buffers, offload scratch
-        (and apply scratch) and two-hop plans, ``flags``), their ``total``, ``offloaded`` (the part of the total in
-        host memory with ``offload``), ``device`` (the rest: on the device), ``transient`` (the
-        largest temporary an exchange adds on the device, :meth:`BucketedAllReduce.memory_bytes`)
-        and ``shard_fp32``: the bytes of this rank's averaged tensors in fp32 (the unit of the
-        memory targets). On CUDA also ``device_peak`` (torch's peak allocation)."""
-
-        def nbytes(ts: list[Tensor] | None) -> int:
-            return sum(t.numel() * t.element_size() for t in ts or [])
-
-        out = {"anchor": 0, "own": 0, "momentum": 0, "residual": 0, "staging": 0, "flags": 0}
-        transient = 0
-        if self.federated:
-            out["anchor"] = nbytes(self._anchor)
-            out["own"] = nbytes(self._own)
-            out["momentum"] = nbytes(self._outer.buffers)
-            out["flags"] = nbytes([fr.flags for fr in self._frags] + [self._world_flags])
-            exchanges = [fr.exchange for fr in self._frags if fr.exchange is not None]
-            for i, ex in enumerate(exchanges):
-                mem = ex.memory_bytes()
-                out["residual"] += mem["residual"]
-                out["staging"] += mem["staging"] if i == 0 else 0  # NOTE: one shared pool
-                transient = max(transient, mem["transient"])
-        out["total"] = sum(out.values())
-        kept = out["anchor"] + out["own"] + out["momentum"] + out["residual"]
-        out["offloaded"] = kept if self.offload and self.federated else 0
-        out["device"] = out["total"] - out["offloaded"]
-        out["transient"] = transient
-        out["shard_fp32"] = sum(s.local.numel() * 4 for s in self.slots)
-        if self.federated and self.device.type == "cuda":
-            out["device_peak"] = int(torch.cuda.max_memory_allocated(self.device))
-        return out
+        """Bytes this FedAvg holds, per buffer kind (:func:`flcomm.federated.memory.memory_stats`)."""
+        return memory_stats(self)
 
     def state_dict(self) -> dict:
         """Counters, and this rank's anchor shards, outer momentum and error-feedback residuals
@@ -402,7 +351,10 @@ class FedAvg:
         :meth:`finish` first when overlapping."""
         if self.in_flight:
             raise RuntimeError("FedAvg.state_dict() with an exchange in flight: call finish() first")
-        return self._checkpoint.save(self.steps, self.num_syncs, self.exposed_comm_s)
+        sd = self._checkpoint.save(self.steps, self.num_syncs, self.exposed_comm_s)
+        if self._auto is not None:
+            sd["overlap_steps"] = self._auto.chosen  # NOTE: a resume keeps the measured choice
+        return sd
 
     def check_compatible(self, sd: dict) -> None:
         """Raise ValueError when ``sd`` (or just its ``version``/``topology``/``config``
@@ -418,6 +370,9 @@ class FedAvg:
         if self.in_flight:
             raise RuntimeError("FedAvg.load_state_dict() with an exchange in flight: call finish() first")
         self.steps, self.num_syncs, exposed = self._checkpoint.load(sd, source_rank)
+        if self._auto is not None and isinstance(sd.get("overlap_steps"), int):
+            self._auto.settle(sd["overlap_steps"])
+            self.overlap_steps = self._auto.k
         if exposed is not None:
             self.exposed_comm_s = exposed
 
@@ -582,6 +537,21 @@ class FedAvg:
             # NOTE: piece by piece along the buckets: no full-size copy of an offloaded own delta
             fr.exchange.add_own([self.slots[i].local for i in fr.xidx])
         self.num_syncs += 1
+        if on_time and self._auto is not None and self._auto.measuring:
+            proposal = self._auto.sample(job.seconds())
+            if proposal is not None:
+                self._settle_overlap(proposal)
+
+    def _settle_overlap(self, proposal: int) -> None:
+        """``overlap_steps="auto"``: the largest proposal of the federation group, from now on
+        (every rank of a group must apply at the same step; the groups need not agree)."""
+        assert self._auto is not None
+        k = torch.tensor([proposal], dtype=torch.int32, device=self.device)
+        self.group_transport.all_reduce(k, op="max")
+        self._auto.settle(int(k.item()))
+        self.overlap_steps = self._auto.k
+        _log.info("FedAvg: overlap_steps='auto' chose k=%d at step %d (exchange %.3f s, step %.3f s, k_max %d)",
+                  self._auto.k, self.steps, self._auto.exchange_s or 0.0, self._auto.step_s or 0.0, self._auto.k_max)
 
     def _refuse(self, world_flags: Tensor, fr: _Fragment) -> None:
         flags = world_flags.tolist()

@@ -34,12 +34,7 @@ class OuterOptimizer:
     """
 
     def __init__(self, kind: Outer | str, lr: float = 0.7, momentum: float = 0.9) -> None:
-        self.kind = Outer.parse(kind)
-        if self.kind is Outer.NESTEROV:
-            if not (isinstance(lr, (int, float)) and lr > 0):
-                raise ValueError(f"outer_lr must be a positive number, got {lr!r}")
-            if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
-                raise ValueError(f"outer_momentum must be in [0, 1), got {momentum!r}")
+        self.kind = Outer.parse(kind)  # NOTE: lr and momentum are checked by FedAvgConfig
         self.lr, self.momentum = float(lr), float(momentum)
         # NOTE: momentum buffers exist from the start (zeros), so a state dict taken before the
         # first sync already has every tensor torch.distributed.checkpoint needs to load into.

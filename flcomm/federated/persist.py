@@ -30,25 +30,15 @@ if TYPE_CHECKING:
     from flcomm.federated.outer import OuterOptimizer
     from flcomm.federated.topology import Topology
 
-__all__ = ["STATE_VERSION", "FedAvgCheckpoint", "config_mismatch", "fedavg_config"]
+__all__ = ["STATE_VERSION", "FedAvgCheckpoint", "config_mismatch"]
 
 STATE_VERSION = 1
 
 
-def fedavg_config(*, sync_every: int, codec: str, outer: str, error_feedback: bool, inner_state: str,
-                  overlap: bool, fragments: int) -> dict[str, Any]:
-    """The settings FedAvg saves with its state (:class:`FedAvgCheckpoint`'s ``config``), from
-    its parsed arguments: ``codec`` the resolved codec's name, ``outer`` and ``inner_state``
-    their enums' values. Also what a launch compares with a checkpoint's meta.json."""
-    # NOTE: the paper's mode averages the shards themselves, in place: nothing to keep
-    in_place = codec == "none" and outer == "avg" and not overlap and not error_feedback
-    return {"sync_every": sync_every, "codec": codec, "outer": outer, "error_feedback": bool(error_feedback),
-            "inner_state": inner_state, "in_place": in_place, "fragments": fragments}
-
-
 def config_mismatch(saved: dict[str, Any], run: dict[str, Any]) -> tuple[str, Any, Any] | None:
     """The first setting that keeps a state saved with config ``saved`` from loading into a run
-    of config ``run`` (both :func:`fedavg_config` dicts), as ``(key, saved value, run value)``;
+    of config ``run`` (both :meth:`FedAvgConfig.to_dict <flcomm.federated.config.FedAvgConfig.to_dict>`
+    records), as ``(key, saved value, run value)``;
     None when it loads. ``in_place``: a state of the paper's in-place mode keeps no anchor, so
     a run that needs one cannot load it (the other way round loads: anchors are ignored)."""
     for key in ("outer", "error_feedback", "fragments"):
@@ -64,8 +54,8 @@ class FedAvgCheckpoint:
 
     Args:
         topology: the run's topology.
-        config: the settings saved with the state (``sync_every``, ``codec``, ``outer``,
-            ``error_feedback``, ``inner_state``, ``in_place``, ``fragments``).
+        config: the settings saved with the state (:meth:`FedAvgConfig.to_dict
+            <flcomm.federated.config.FedAvgConfig.to_dict>`).
         rank: this rank's global rank.
         elastic: the run has an elastic federation.
         overlap: the run overlaps its exchanges (named when an in-place state cannot load).

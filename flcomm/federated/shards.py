@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from flcomm.comm.base import Transport
-    from flcomm.federated.topology import FedMesh
+    from flcomm.federated.mesh import FedMesh
 
 
 @dataclass

@@ -66,14 +66,19 @@ class Strategy(Choice, what="strategy"):
         """S when none is given, for groups of ``G`` ranks."""
         return one_node(L, G) if self.hybrid else G
 
-    def topology(self, P: int, L: int, G: int | None = None, S: int | None = None) -> Topology:
-        """The :class:`Topology` of this strategy on ``P`` ranks, ``L`` per node, with group
-        size ``G`` and shard size ``S`` (None: the defaults of the module table).
+    def topology(self, world_size: int, ranks_per_node: int, group_size: int | None = None,
+                 shard_size: int | None = None) -> Topology:
+        """The :class:`Topology` of this strategy on ``world_size`` ranks (P), ``ranks_per_node``
+        (L) per node, with federation groups of ``group_size`` ranks (G) and shard groups of
+        ``shard_size`` ranks (S); None: the defaults of the module table::
+
+            topo = Strategy.FL_HSDP.topology(world_size, ranks_per_node=8, group_size=16, shard_size=8)
 
         Raises ValueError naming the numbers when they do not fit the world (Topology's own
         checks) or are not this strategy: a group size other than P for fsdp/hsdp, a shard size
         other than G for fsdp/fl-fsdp, one group for fl-*, one replica for *hsdp.
         """
+        P, L, G, S = world_size, ranks_per_node, group_size, shard_size
         if not isinstance(L, int) or isinstance(L, bool) or L < 1 or not isinstance(P, int) or P % L:
             raise ValueError(f"ranks_per_node {L!r} does not divide the world of {P!r} ranks into whole nodes")
         if not self.federated and G is not None and G != P:

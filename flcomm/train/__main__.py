@@ -17,8 +17,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from flcomm.codecs import CODECS
-from flcomm.train.config import INNER_STATES, NAN_POLICIES, OUTERS, STRATEGIES, TrainConfig
+from flcomm.federated.config import FedAvgConfig
+from flcomm.train.config import NAN_POLICIES, STRATEGIES, TrainConfig
 from flcomm.train.model import PRESETS
 
 _SUBCOMMANDS = ("train", "compare", "plot")
@@ -38,27 +38,7 @@ def _add_common(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g.add_argument("--hierarchical", action=argparse.BooleanOptionalAction, default=d.hierarchical,
                    help="FSDP reduce-scatter / all-gather in two stages (intra-node, then inter-node) "
                         "when the shard group spans nodes")
-    f = p.add_argument_group("FedAvg (fl-fsdp, fl-hsdp)")
-    f.add_argument("--sync-every", type=int, default=d.sync_every, help="E, local steps between syncs")
-    f.add_argument("--codec", default=d.codec, help=f"wire codec: {', '.join(CODECS)}")
-    f.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=d.error_feedback)
-    f.add_argument("--outer", default=d.outer, help=f"outer update: {', '.join(OUTERS)}")
-    f.add_argument("--outer-lr", type=float, default=d.outer_lr)
-    f.add_argument("--outer-momentum", type=float, default=d.outer_momentum)
-    f.add_argument("--inner-state", default=d.inner_state, help=f"{', '.join(INNER_STATES)}")
-    f.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=d.overlap,
-                   help="apply the exchange later, overlapped with compute (see --overlap-steps)")
-    f.add_argument("--overlap-steps", type=int, default=d.overlap_steps,
-                   help="k: with --overlap, apply the average k steps after the sync (1..E)")
-    f.add_argument("--fragments", type=int, default=d.fragments,
-                   help="K: streaming sync, 1/K of the shard every E/K steps (K divides E)")
-    f.add_argument("--offload", default=d.offload, choices=["cpu"],
-                   help="keep FedAvg's full-size buffers (anchor, residuals, momentum) in host memory")
-    f.add_argument("--residual-dtype", default=d.residual_dtype, help="error-feedback residuals: fp32 | bf16")
-    f.add_argument("--sharded-exchange", action=argparse.BooleanOptionalAction, default=d.sharded_exchange,
-                   help="fl-hsdp: each replica exchanges 1/R of the shard, then the replicas all-gather "
-                        "(default: on when there are R > 1 replicas)")
-    f.add_argument("--bucket-mb", type=float, default=d.bucket_mb)
+    FedAvgConfig.add_arguments(p.add_argument_group("FedAvg (fl-fsdp, fl-hsdp)"), d.fedavg)
     e = p.add_argument_group("elastic federation (fl-fsdp, fl-hsdp)")
     e.add_argument("--elastic", action=argparse.BooleanOptionalAction, default=d.elastic,
                    help="a federation group that loses a rank is dropped; the others go on (docs/fault-tolerance.md)")
@@ -104,10 +84,10 @@ def _add_common(p: argparse.ArgumentParser, d: TrainConfig) -> None:
 
 
 def _config(args: argparse.Namespace, **over: object) -> TrainConfig:
-    names = set(TrainConfig.field_names())
+    names = set(TrainConfig.field_names()) - {"fedavg"}
     kw = {k: v for k, v in vars(args).items() if k in names}
     kw.update(over)
-    return TrainConfig(**kw)
+    return TrainConfig(**kw, fedavg=FedAvgConfig.from_args(args))
 
 
 def _train_parser() -> argparse.ArgumentParser:

@@ -56,10 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flcomm.federated.exchange import resolve_codec
-from flcomm.federated.inner import InnerState
-from flcomm.federated.outer import Outer
-from flcomm.federated.persist import config_mismatch, fedavg_config
+from flcomm.federated.persist import config_mismatch
 from flcomm.train.config import TrainConfig, resolve_topology
 from flcomm.train.data import check_vocab, data_record, data_source, load_tokens, same_data, split_for_ranks
 
@@ -549,19 +546,9 @@ def check_before_launch(cfg: TrainConfig, world_size: int) -> Topology:
             check_compatible(meta, topo, mcfg.to_dict(), path, same_group_shape=cfg.elastic)
             check_resume(meta, run_meta, path, cfg.allow_data_change)
             if cfg.federated:
-                check_fedavg(meta, run_fedavg_config(cfg), path)
+                check_fedavg(meta, cfg.fedavg.to_dict(), path)
             verify_files(path, meta)
     return topo
-
-
-def run_fedavg_config(cfg: TrainConfig) -> dict[str, Any]:
-    """The FedAvg settings the ranks of ``cfg`` will save (``FedAvg.checkpoint_config``), derived
-    as :func:`flcomm.train.run.build_run` builds FedAvg: the same arguments, parsed by the same
-    parsers, through the same :func:`~flcomm.federated.persist.fedavg_config`."""
-    return fedavg_config(sync_every=cfg.sync_every, codec=resolve_codec(cfg.codec).name,
-                         outer=Outer.parse(cfg.outer).value, error_feedback=bool(cfg.error_feedback),
-                         inner_state=InnerState.parse(cfg.inner_state).value, overlap=bool(cfg.overlap),
-                         fragments=cfg.fragments)
 
 
 def check_fedavg(meta: dict[str, Any], run: dict[str, Any], path: str) -> None:

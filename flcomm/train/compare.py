@@ -24,7 +24,7 @@ from flcomm.train.metrics import RunMetrics, read_metrics
 
 COMPARE_DEFAULTS: dict[str, object] = {
     "strategies": "fsdp,fl-fsdp", "out_dir": "flcomm-compare", "nproc": 4,
-    "ranks_per_node": 2, "group_size": 2, "sync_every": 8, "model": "tiny", "steps": 48,
+    "ranks_per_node": 2, "group_size": 2, "model": "tiny", "steps": 48,
     "batch_size": 8, "seq_len": 128, "lr": 3e-3, "eval_every": 16, "eval_batches": 4,
 }
 

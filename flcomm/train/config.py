@@ -4,20 +4,16 @@ topology for a world (:func:`resolve_topology`) and the learning-rate schedule (
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from flcomm.federated.config import check_config
-from flcomm.federated.inner import InnerState
-from flcomm.federated.outer import Outer
+from flcomm.federated.config import FedAvgConfig
 from flcomm.federated.strategy import Strategy
 from flcomm.federated.topology import Topology
 from flcomm.train.model import PRESETS, get_config
 from flcomm.validate import integer, number
 
 STRATEGIES = Strategy.values()
-OUTERS = Outer.values()
-INNER_STATES = InnerState.values()
 NAN_POLICIES = ("stop", "skip-step")
 
 
@@ -37,21 +33,8 @@ class TrainConfig:
     # hierarchical FSDP collectives (intra-node stage, then inter-node) for a shard group that
     # spans nodes; a no-op when it does not
     hierarchical: bool = False
-    # FedAvg
-    sync_every: int = 8
-    codec: str = "none"
-    error_feedback: bool = False
-    outer: str = "avg"
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    inner_state: str = "keep"
-    overlap: bool = False
-    overlap_steps: int = 1  # k: apply the average k steps after the sync (with overlap)
-    fragments: int = 1  # K: streaming, 1/K of the shard every E/K steps
-    offload: str | None = None  # "cpu": FedAvg's full-size buffers in pinned host memory
-    residual_dtype: str = "fp32"  # fp32 | bf16: the error-feedback residuals
-    sharded_exchange: bool | None = None  # FL+HSDP: 1/R of the shard per replica (None: on when R > 1)
-    bucket_mb: float = 25.0
+    # FedAvg: every setting in one object (flcomm.federated.config), its flags made from its fields
+    fedavg: FedAvgConfig = field(default_factory=FedAvgConfig)
     # elastic federation (flcomm.federated.elastic)
     elastic: bool = False
     elastic_grace_s: float = 15.0
@@ -95,8 +78,7 @@ class TrainConfig:
     log_dir: str | None = None  # per-rank heartbeats and tracebacks (the launcher picks one)
 
     def __post_init__(self) -> None:
-        """Checks what this config owns; codec / outer / inner_state go to their owners' parsers
-        (:meth:`check_federation`), the topology (L, G, S) to
+        """Checks what this config owns (``fedavg`` checked itself when it was made), the topology (L, G, S) to
         :class:`~flcomm.federated.topology.Topology`
         (:func:`~flcomm.train.checkpoint.check_before_launch`)."""
         def one_of(name: str, allowed: tuple[str, ...], label: str | None = None) -> None:
@@ -119,8 +101,7 @@ class TrainConfig:
                 integer(name, getattr(self, name), 1)
         if self.warmup is not None:
             integer("warmup", self.warmup, 0)
-        for name, lo_open in (("lr", True), ("timeout_s", True), ("weight_decay", False), ("grad_clip", False),
-                              ("outer_lr", True), ("outer_momentum", False)):
+        for name, lo_open in (("lr", True), ("timeout_s", True), ("weight_decay", False), ("grad_clip", False)):
             number(name, getattr(self, name), 0, lo_open=lo_open)
         for name in ("min_lr_ratio", "beta1", "beta2"):
             number(name, getattr(self, name), 0, 1)
@@ -135,15 +116,10 @@ class TrainConfig:
         if self.rejoin and not (self.elastic and self.checkpoint_dir):
             raise ValueError("--rejoin needs --elastic and the job's --checkpoint-dir (a survivor's checkpoint)")
         number("eval_fraction", self.eval_fraction, 0, 1, lo_open=True, hi_open=True)
-        self.check_federation()
-
-    def check_federation(self) -> None:
-        """The FedAvg settings, by FedAvg's own check (:func:`flcomm.federated.config.check_config`),
-        before any process starts."""
-        check_config(sync_every=self.sync_every, bucket_mb=self.bucket_mb, overlap_steps=self.overlap_steps,
-                     fragments=self.fragments, inner_state=self.inner_state, residual_dtype=self.residual_dtype,
-                     offload=self.offload, codec=self.codec, outer=self.outer, elastic=self.elastic,
-                     overlap=self.overlap)
+        if not isinstance(self.fedavg, FedAvgConfig):
+            raise ValueError(f"fedavg must be a FedAvgConfig, got {type(self.fedavg).__name__}")
+        if self.elastic:
+            self.fedavg.check_elastic()
 
     @property
     def federated(self) -> bool:
@@ -165,7 +141,7 @@ class TrainConfig:
         return self.warmup if self.warmup is not None else min(100, max(1, self.steps // 10))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "fedavg": self.fedavg.to_dict()}
 
     @classmethod
     def field_names(cls) -> list[str]:

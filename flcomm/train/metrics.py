@@ -40,7 +40,7 @@ from flcomm.federated.strategy import Strategy
 T = TypeVar("T")
 
 if TYPE_CHECKING:
-    from flcomm.federated.topology import FedMesh
+    from flcomm.federated.mesh import FedMesh
 
 STEP_FIELDS = ("step", "loss", "tokens_per_s", "step_time_s", "exposed_comm_s", "internode_bytes",
                "intergroup_bytes")

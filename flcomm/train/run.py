@@ -45,7 +45,7 @@ from flcomm.train.monitor import Monitor
 
 if TYPE_CHECKING:
     from flcomm.federated.elastic import Federation
-    from flcomm.federated.topology import FedMesh
+    from flcomm.federated.mesh import FedMesh
 
 
 def _device(backend: str) -> torch.device:
@@ -250,13 +250,7 @@ def build_run(cfg: TrainConfig, monitor: Monitor, store: Any = None) -> Run:
     loader, held, data_rec, sizes = _build_data(cfg, mesh, device)
     fed = None
     if cfg.federated:
-        fed = FedAvg(model, mesh, sync_every=cfg.sync_every, codec=cfg.codec,
-                     error_feedback=cfg.error_feedback, outer=cfg.outer, outer_lr=cfg.outer_lr,
-                     outer_momentum=cfg.outer_momentum, inner_state=cfg.inner_state,
-                     overlap=cfg.overlap, overlap_steps=cfg.overlap_steps, fragments=cfg.fragments,
-                     offload=cfg.offload, residual_dtype=cfg.residual_dtype,
-                     sharded_exchange=cfg.sharded_exchange, bucket_mb=cfg.bucket_mb, optimizer=optimizer,
-                     federation=federation, sync_init=not cfg.rejoin)
+        fed = FedAvg(model, mesh, cfg.fedavg, optimizer=optimizer, federation=federation, sync_init=not cfg.rejoin)
     mcfg = cfg.model_config()
     meta = {"strategy": cfg.strategy, "topology": topo.to_dict(), "model": mcfg.to_dict(), "seed": cfg.seed,
             "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "data": data_rec}

@@ -103,6 +103,14 @@ def compare(got: dict, want: dict, what: str, rtol: float = RTOL, atol: float = 
     return worst
 
 
+def fedavg_settings(fk: dict) -> dict:
+    """A case's ``fed`` entries (the simulation's terms: ``overlap`` and ``overlap_steps``) as
+    FedAvg's settings (one knob: ``overlap_steps``, 0 when blocking)."""
+    out = {k: v for k, v in fk.items() if k != "overlap"}
+    out["overlap_steps"] = fk.get("overlap_steps", 1) if fk.get("overlap") else 0
+    return out
+
+
 def run_case(world: int, case: dict) -> float:
     """Train one configuration with FedAvg and compare with the simulation."""
     from flcomm.federated.fedavg import FedAvg
@@ -111,7 +119,7 @@ def run_case(world: int, case: dict) -> float:
     model_kw = case.get("model_kw", {})
     fm, model, opt = build(world, F, case.get("S"), kind, opt=case.get("opt", "adamw"),
                            lr=case.get("lr", 1e-2), model_kw=model_kw)
-    fed = FedAvg(model, fm, sync_every=E, optimizer=opt, **case.get("fed", {}))
+    fed = FedAvg(model, fm, sync_every=E, optimizer=opt, **fedavg_settings(case.get("fed", {})))
     flags = train(fm, model, opt, fed, range(1, T + 1))
     fed.finish()
     fk = case.get("fed", {})

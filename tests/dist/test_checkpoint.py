@@ -13,12 +13,18 @@ import torch
 
 from flcomm.train import checkpoint as ckpt
 from flcomm.train.checkpoint import check_before_launch
+from flcomm.federated.config import FedAvgConfig
 from flcomm.train.config import TrainConfig
 from tests.common.dist import run_distributed
 
-BASE = dict(strategy="fl-fsdp", ranks_per_node=2, sync_every=2, model="tiny", steps=6, batch_size=2,
+BASE = dict(strategy="fl-fsdp", ranks_per_node=2, fedavg=FedAvgConfig(sync_every=2), model="tiny", steps=6, batch_size=2,
             seq_len=32, lr=3e-3, warmup=1, eval_batches=1, eval_fraction=0.05, max_tokens=300_000,
             progress=False, seed=0)
+
+
+def fed(**settings) -> dict:
+    """BASE with FedAvg settings replaced."""
+    return {**BASE, "fedavg": FedAvgConfig.make(BASE["fedavg"], **settings)}
 
 
 class InjectedCrash(RuntimeError):
@@ -325,15 +331,15 @@ def test_resume_with_other_fedavg_settings_is_refused_before_launch(scenario, tm
 
     monkeypatch.setattr(mp, "get_context", no_ranks)
     logs = tmp_path / "logs"
-    cfg = TrainConfig(**BASE, outer="nesterov", checkpoint_dir=a_dir, resume=True, log_dir=str(logs))
+    cfg = TrainConfig(**fed(outer="nesterov"), checkpoint_dir=a_dir, resume=True, log_dir=str(logs))
     with pytest.raises(ValueError, match=f"checkpoint {path} was written with --outer avg, this run has --outer "
                                          "nesterov; resume with the same FedAvg settings"):
         launch_local(cfg, 4)
     assert not logs.exists()  # NOTE: the launcher creates it right after the checks, before the ranks
     with pytest.raises(ValueError, match="written with --no-error-feedback, this run has --error-feedback"):
-        check_before_launch(TrainConfig(**BASE, error_feedback=True, checkpoint_dir=a_dir, resume=True), 4)
+        check_before_launch(TrainConfig(**fed(error_feedback=True), checkpoint_dir=a_dir, resume=True), 4)
     with pytest.raises(ValueError, match="in-place mode .* this run has --codec int8 and needs one"):
-        check_before_launch(TrainConfig(**BASE, codec="int8", checkpoint_dir=a_dir, resume=True), 4)
+        check_before_launch(TrainConfig(**fed(codec="int8"), checkpoint_dir=a_dir, resume=True), 4)
     check_before_launch(TrainConfig(**BASE, checkpoint_dir=a_dir, resume=True), 4)  # the same: accepted
     old_dir = _copy_ckpt(root, tmp_path)
     old = ckpt.latest_checkpoint(old_dir)
@@ -341,7 +347,7 @@ def test_resume_with_other_fedavg_settings_is_refused_before_launch(scenario, tm
     del meta["fedavg"]
     with open(os.path.join(old, "meta.json"), "w") as f:
         json.dump(meta, f)
-    check_before_launch(TrainConfig(**BASE, outer="nesterov", checkpoint_dir=old_dir, resume=True), 4)
+    check_before_launch(TrainConfig(**fed(outer="nesterov"), checkpoint_dir=old_dir, resume=True), 4)
 
 
 def test_rng_state_is_the_same_run_to_run(scenario):

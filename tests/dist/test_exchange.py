@@ -40,11 +40,12 @@ def _run(ex, locals_):
 
 def _worker(rank: int, world: int) -> dict:
     from flcomm.comm import TorchTransport
-    from flcomm.federated.exchange import DeltaExchange, resolve_codec
+    from flcomm.codecs import get_codec
+    from flcomm.federated.exchange import DeltaExchange
     from flcomm.federated.outer import OuterOptimizer
 
     out: dict = {}
-    none = resolve_codec("none")
+    none = get_codec("none")
 
     # 1. the paper's mode: in place, in the tensors' own dtype (bf16 stays bf16)
     for dt in (torch.float32, torch.bfloat16):
@@ -124,7 +125,7 @@ def _worker(rank: int, world: int) -> dict:
         tr = Recording()
         tr.log = []
         loc = _data(rank, "local")
-        ex = DeltaExchange(tr, loc, codec=resolve_codec("int8"), bucket_mb=BUCKET_MB, error_feedback=True,
+        ex = DeltaExchange(tr, loc, codec=get_codec("int8"), bucket_mb=BUCKET_MB, error_feedback=True,
                            in_place=False, anchors=_data(0, "anchor"), offload=offload)
         _run(ex, loc)
         out[key] = (list(tr.log), ex.bar.num_buckets)

@@ -133,7 +133,7 @@ def _semantics_worker(rank: int, world: int) -> dict:
 
     # the overlap case is not the synchronous one: the delay is observable (the test can fail)
     _, model, opt = build(world, world, None, "plain", mesh=fm4)
-    fed = FedAvg(model, fm4, sync_every=2, overlap=True)
+    fed = FedAvg(model, fm4, sync_every=2, overlap_steps=1)
     train(fm4, model, opt, fed, range(1, 6))
     fed.finish()
     sync = simulate(world, 1, 2, 5)[fm4.coords.group]
@@ -210,7 +210,7 @@ def test_compressed_within_tolerance_of_uncompressed(combined):
 def _roundtrip_worker(rank: int, world: int, ckpt_dir: str) -> dict:
     import os
 
-    base = dict(sync_every=2, outer="nesterov", codec="int8", error_feedback=True, overlap=True, bucket_mb=0.0005)
+    base = dict(sync_every=2, outer="nesterov", codec="int8", error_feedback=True, overlap_steps=1, bucket_mb=0.0005)
     # the second holds per-fragment state (fragments synced at odd and even steps)
     out = {}
     for name, kw in (("single", base), ("fragments", {**base, "fragments": 2})):
@@ -286,22 +286,21 @@ def _errors_worker(rank: int, world: int) -> dict:
         (dict(sync_every=2, inner_state="average"), ValueError, "needs the inner optimizer"),
         (dict(sync_every=2, bucket_mb=0), ValueError, "bucket_mb"),
         (dict(sync_every=2, outer="nesterov", outer_momentum=1.0), ValueError, "outer_momentum"),
-        (dict(sync_every=2, overlap=True, overlap_steps=3), ValueError,
-         r"overlap_steps .* in \[1, 2\] \(at most sync_every\), got 3"),
+        (dict(sync_every=2, overlap_steps=3), ValueError,
+         r"overlap_steps .* in \[0, 2\] \(at most sync_every\) or 'auto', got 3"),
+        (dict(sync_every=2, overlap=True), TypeError, r"unknown FedAvg setting\(s\) \['overlap'\].*overlap_steps"),
         (dict(sync_every=4, fragments=3), ValueError, "fragments .* must divide sync_every=4, got 3"),
         (dict(sync_every=4, fragments=2, inner_state="reset"), ValueError, "not supported with fragments > 1"),
         (dict(sync_every=2, offload="gpu"), ValueError, "offload must be None or 'cpu', got 'gpu'"),
-        (dict(sync_every=2, residual_dtype="fp8"), ValueError, r"residual_dtype must be one of \['fp32', 'bf16'\]"),
+        (dict(sync_every=2, residual_dtype="fp8"), ValueError, "residual_dtype must be one of fp32, bf16, got 'fp8'"),
     ]
     for kw, exc, pattern in bad_args:
         with pytest.raises(exc, match=pattern):
             FedAvg(model, fm2, **kw)
     with pytest.raises(TypeError, match="FedMesh"):
         FedAvg(model, object(), sync_every=1)
-    with pytest.raises(TypeError, match="codec must be a name"):
-        from flcomm.federated.exchange import resolve_codec
-
-        resolve_codec(3)
+    with pytest.raises(ValueError, match="codec must be a name"):
+        FedAvg(model, fm2, sync_every=1, codec=3)
 
     # model sharded over the whole world, but 2 federation groups: refused
     world_mesh = init_device_mesh("cpu", (world,))
@@ -347,7 +346,7 @@ def _errors_worker(rank: int, world: int) -> dict:
 
     # a NaN in one fed group reaches every rank of every federation group, with one message
     _, model, opt = build(world, 2, None, "fsdp2", mesh=fm2)
-    fed = FedAvg(model, fm2, sync_every=1, overlap=True)
+    fed = FedAvg(model, fm2, sync_every=1, overlap_steps=1)
     loss_fn(model, *batch(fm2.coords.group, fm2.coords.index, 1)).backward()
     opt.step()
     if rank == 3:
@@ -380,7 +379,7 @@ def _precision_worker(rank: int, world: int) -> dict:
     fed = FedAvg(model, fm4, sync_every=1, sync_init=False)  # the paper's mode: in place, fp64
     fed.step()
     out["fp64_err"] = max((p.detach() - want[n]).abs().max().item() for n, p in model.named_parameters())
-    out["fp64_delta_anchor"] = str(FedAvg(model, fm4, sync_every=1, overlap=True)._anchor[0].dtype)
+    out["fp64_delta_anchor"] = str(FedAvg(model, fm4, sync_every=1, overlap_steps=1)._anchor[0].dtype)
     try:
         FedAvg(model, fm4, sync_every=1, codec="int8")
         out["fp64_int8"] = "no error"

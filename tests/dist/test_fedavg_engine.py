@@ -26,7 +26,7 @@ def _killed_peer(rank: int, world: int) -> dict:
         timeout=timedelta(seconds=TIMEOUT_S), hierarchical=False)
     model = make_model(0, d=64)
     opt = make_opt(model.parameters(), "adamw", 1e-2)
-    fed = FedAvg(model, fm, sync_every=2, overlap=True, bucket_mb=0.01)
+    fed = FedAvg(model, fm, sync_every=2, overlap_steps=1, bucket_mb=0.01)
 
     def local_step(t: int) -> None:
         loss_fn(model, *batch(rank, 0, t)).backward()
@@ -76,7 +76,7 @@ def _advances(rank: int, world: int) -> dict:
     model = make_model(0, d=64)
     # int8 + EF in many buckets: every stage (encode, hop 1, reduce, re-encode, hop 2, decode,
     # outer update) of every bucket has to run for the job to complete
-    fed = FedAvg(model, fm, sync_every=1, codec="int8", error_feedback=True, overlap=True,
+    fed = FedAvg(model, fm, sync_every=1, codec="int8", error_feedback=True, overlap_steps=1,
                  outer="nesterov", bucket_mb=0.002)
     fed.step()  # starts the exchange of step 1
     fr = fed._frags[0]
@@ -104,21 +104,21 @@ MEM_BUCKET_MB = 0.125  # 32768 fp32 elements: the model below is 8 buckets
 # name: FedAvg options; the cost model's Plan fields and its residual_dtype / offload
 MEM_MODES: dict[str, dict] = {
     "paper": {},
-    "none, overlap": {"overlap": True},
+    "none, overlap": {"overlap_steps": 1},
     "nesterov": {"outer": "nesterov"},
     "int8": {"codec": "int8"},
     "int8+EF": {"codec": "int8", "error_feedback": True},
     "int8+EF, bf16 residual": {"codec": "int8", "error_feedback": True, "residual_dtype": "bf16"},
-    "int8+EF, overlap, nesterov": {"codec": "int8", "error_feedback": True, "overlap": True, "outer": "nesterov"},
-    "int8+EF, overlap, nesterov, offload": {"codec": "int8", "error_feedback": True, "overlap": True,
+    "int8+EF, overlap, nesterov": {"codec": "int8", "error_feedback": True, "overlap_steps": 1, "outer": "nesterov"},
+    "int8+EF, overlap, nesterov, offload": {"codec": "int8", "error_feedback": True, "overlap_steps": 1,
                                             "outer": "nesterov", "offload": "cpu"},
 }
 # offload against no offload with the offloaded run's bucket size (offload cuts its buckets to fit
 # two on the device): the same bucket layout, so the results must be bit-identical
 OFFLOAD_PAIRS = [
-    {"codec": "int8", "error_feedback": True, "overlap": True, "outer": "nesterov"},
+    {"codec": "int8", "error_feedback": True, "overlap_steps": 1, "outer": "nesterov"},
     {"codec": "int8", "error_feedback": True, "residual_dtype": "bf16"},
-    {"codec": "none", "outer": "nesterov", "overlap": True},
+    {"codec": "none", "outer": "nesterov", "overlap_steps": 1},
 ]
 
 
@@ -218,7 +218,7 @@ def test_memory_stats_match_the_cost_models_shard_copies(memory_results, name):
         # model's own sizes for the anchor, own delta and momentum
         model = s["model_bytes"]
         assert m["anchor"] == (0 if name == "paper" else model), (name, m)
-        assert m["own"] == (model if kw.get("overlap") else 0), (name, m)
+        assert m["own"] == (model if kw.get("overlap_steps") else 0), (name, m)
         assert m["momentum"] == (model if kw.get("outer") == "nesterov" else 0), (name, m)
         assert full == s["held"]["all"], (name, full, s["held"])
         assert s["held"]["storages"] == sum(m[k] > 0 for k in ("anchor", "own", "momentum", "residual"))
@@ -296,7 +296,7 @@ def _late_exchanges(fm, rank: int, late: tuple[int, ...]) -> list[tuple[str, str
 
     model = make_model(0, d=64)
     opt = make_opt(model.parameters(), "adamw", 1e-2)
-    fed = FedAvg(model, fm, sync_every=1, overlap=True)
+    fed = FedAvg(model, fm, sync_every=1, overlap_steps=1)
     submit, n = fed._engine.submit, [0]
 
     def submit_late(fn, name):

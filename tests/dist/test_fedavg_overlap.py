@@ -84,7 +84,7 @@ def _run(rank: int, world: int, offload: str | None) -> dict:
     fm = Topology(world, world, group_size=1, shard_size=1).build(hierarchical=False)
     model = make_model(0, d=D)
     opt = make_opt(model.parameters(), "sgd", LR)
-    fed = FedAvg(model, fm, sync_every=E, fragments=K, overlap=True, overlap_steps=k, outer="nesterov",
+    fed = FedAvg(model, fm, sync_every=E, fragments=K, overlap_steps=k, outer="nesterov",
                  offload=offload, bucket_mb=BUCKET_MB)
     warnings.filterwarnings("ignore", "FedAvg: the exchanges up to step")  # NOTE: the gated jobs are late
     # NOTE: a job starts only when the next step begins, so it is in flight during that step's

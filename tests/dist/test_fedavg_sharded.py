@@ -24,6 +24,7 @@ import copy
 import pytest
 import torch
 
+from flcomm.federated.config import FedAvgConfig
 from tests.common.dist import run_distributed, run_parts
 from tests.common.fedavg_harness import (ATOL, CODEC_TOL, build, fed_mesh, full_state, resume_from, run_case,
                                          train)
@@ -48,12 +49,13 @@ def _data(group: int, shard: int, what: str) -> list[torch.Tensor]:
 
 def _exchange(fm, codec: str, ef: bool, sharded: bool, replicate):
     from flcomm.comm.engine import get_engine
-    from flcomm.federated.exchange import DeltaExchange, resolve_codec
+    from flcomm.codecs import get_codec
+    from flcomm.federated.exchange import DeltaExchange
 
     c = fm.coords
     loc = _data(c.group, c.shard, "local")
     anchors = _data(0, c.shard, "anchor")
-    ex = DeltaExchange(fm.transport("fed"), loc, codec=resolve_codec(codec), bucket_mb=1.0, error_feedback=ef,
+    ex = DeltaExchange(fm.transport("fed"), loc, codec=get_codec(codec), bucket_mb=1.0, error_feedback=ef,
                        in_place=False, anchors=anchors, replicate=replicate if sharded else None)
     fm.stats.reset()
     get_engine("cpu").submit(lambda j: ex.run(j, loc), "test sharded exchange").wait(120)
@@ -67,8 +69,8 @@ def _exchange_worker(rank: int, world: int) -> dict:
     fm = fed_mesh(world, F, S)
     assert fm.topology.num_replicas == R and fm.topology.mesh_shape == (F, R, S)
     assert replicate_transport(fm, False) is None
-    with pytest.raises(TypeError, match="sharded_exchange"):
-        replicate_transport(fm, "yes")
+    with pytest.raises(ValueError, match="sharded_exchange must be None, True or False, got 'yes'"):
+        FedAvgConfig(sync_every=2, sharded_exchange="yes")
     rep = replicate_transport(fm, None)
     assert rep.size == R and rep.tier.value == "intra_node"
     out: dict = {}
@@ -94,11 +96,12 @@ def _exchange_worker(rank: int, world: int) -> dict:
             out[codec]["residual_nonzero"] = all(bool(r.abs().sum() > 0) for r in shard.bar.residuals())
     # the paper's mode, in place in bf16, many buckets (tensors span buckets and slices)
     from flcomm.comm.engine import get_engine
-    from flcomm.federated.exchange import DeltaExchange, resolve_codec
+    from flcomm.codecs import get_codec
+    from flcomm.federated.exchange import DeltaExchange
 
     c = fm.coords
     loc = [t.round().to(torch.bfloat16) for t in _data(c.group, c.shard, "inplace")]
-    ex = DeltaExchange(fm.transport("fed"), loc, codec=resolve_codec("none"), bucket_mb=300 * 4 / 2**20,
+    ex = DeltaExchange(fm.transport("fed"), loc, codec=get_codec("none"), bucket_mb=300 * 4 / 2**20,
                        error_feedback=False, in_place=True, replicate=rep)
     get_engine("cpu").submit(lambda j: ex.run(j, loc), "test in place").wait(120)
     out["inplace_bf16"] = (loc, ex.bar.num_buckets)
@@ -174,7 +177,7 @@ def _roundtrip_worker(rank: int, world: int) -> dict:
     from flcomm.federated.fedavg import FedAvg
 
     fm = fed_mesh(world, F, S)
-    kw = dict(sync_every=2, outer="nesterov", codec="int8", error_feedback=True, overlap=True, bucket_mb=0.0005)
+    kw = dict(sync_every=2, outer="nesterov", codec="int8", error_feedback=True, overlap_steps=1, bucket_mb=0.0005)
 
     def fresh():
         _, model, opt = build(world, F, S, "fsdp2", mesh=fm)

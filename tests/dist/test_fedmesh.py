@@ -1,6 +1,7 @@
 """FedMesh on gloo: the groups of every mesh dimension and their link tiers on 8 ranks, and every
 DeviceMesh dim gives up after the configured timeout when a peer never joins."""
 
+from flcomm.federated.strategy import Strategy
 from flcomm.federated.topology import Topology
 from tests.common.dist import run_distributed
 
@@ -8,7 +9,7 @@ from tests.common.dist import run_distributed
 def _build_mesh(rank, world):
     import torch
 
-    topo = Topology.fl_hsdp(world, 2, group_size=4)
+    topo = Strategy.FL_HSDP.topology(world, 2, group_size=4)
     fm = topo.build("cpu")
     out = {}
     for name in ("fed", "replicate", "shard", "group", "shard_intra", "shard_inter", "group_intra", "group_inter"):
@@ -21,7 +22,7 @@ def _build_mesh(rank, world):
 
 def test_fedmesh_groups_on_gloo():
     res = run_distributed(_build_mesh, 8)
-    topo = Topology.fl_hsdp(8, 2, group_size=4)
+    topo = Strategy.FL_HSDP.topology(8, 2, group_size=4)
     for rank, out in enumerate(res):
         for name in ("fed", "replicate", "shard", "group"):
             ranks = next(g for g in topo.dim_groups(name) if rank in g)

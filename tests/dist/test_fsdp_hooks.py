@@ -121,12 +121,12 @@ def _compare(a: tuple[list[float], list[torch.Tensor]], b: tuple[list[float], li
 
 def _fsdp2_runs(rank: int, world: int, local: int, with_compressed: bool, with_hsdp: bool = True) -> dict:
     from flcomm.collectives.hierarchical import Hierarchy
-    from flcomm.federated.topology import Topology
+    from flcomm.federated.strategy import Strategy
     from flcomm.fsdp.fsdp2 import apply_all_reduce_hook, apply_hierarchical_collectives
 
     out: dict = {}
     # FSDP over all ranks, hierarchical over the nodes
-    fm = Topology.fsdp(world, local).build()
+    fm = Strategy.FSDP.topology(world, local).build()
     hier = fm.hierarchy("shard")
     shard_mesh = fm.device_mesh["shard"]
     plain = _fsdp2_model(shard_mesh)
@@ -141,7 +141,7 @@ def _fsdp2_runs(rank: int, world: int, local: int, with_compressed: bool, with_h
     if not with_hsdp:
         return out
     # HSDP: native 2-D mesh vs the 1-D shard mesh plus the replicate all-reduce hook
-    hm = Topology.hsdp(world, local).build()
+    hm = Strategy.HSDP.topology(world, local).build()
     native = _fsdp2_model(hm.device_mesh["replicate", "shard"])
     with_hook = _fsdp2_model(hm.device_mesh["shard"], lambda m: apply_all_reduce_hook(m, hm.transport("replicate")))
     ref = (_train(native, rank, world), _full_params(native))
@@ -224,9 +224,9 @@ def _fsdp1_runs(rank: int, world: int, local: int) -> dict:
     from torch.distributed.fsdp import ShardingStrategy
 
     from flcomm.collectives.hierarchical import Hierarchy
-    from flcomm.federated.topology import Topology
+    from flcomm.federated.strategy import Strategy
 
-    fm = Topology.fsdp(world, local).build()
+    fm = Strategy.FSDP.topology(world, local).build()
     hier = fm.hierarchy("shard")
     out: dict = {}
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
@@ -237,7 +237,7 @@ def _fsdp1_runs(rank: int, world: int, local: int) -> dict:
         out[strategy.name] = _compare(ref, got)
     # refused: a hybrid strategy (FSDP1 has no comm hooks for it) and a group that is not the hierarchy
     errors = {}
-    hm = Topology.hsdp(world, local).build()
+    hm = Strategy.HSDP.topology(world, local).build()
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     torch.manual_seed(0)
@@ -277,11 +277,11 @@ def _registration(rank: int, world: int) -> dict:
     from torch.distributed.tensor import Shard
 
     from flcomm.collectives.hierarchical import Hierarchy
-    from flcomm.federated.topology import Topology
+    from flcomm.federated.strategy import Strategy
     from flcomm.fsdp.fsdp2 import (HierarchicalAllGather, HierarchicalReduceScatter, apply_all_reduce_hook,
                                    apply_hierarchical_collectives)
 
-    fm = Topology.hsdp(world, 2).build()  # shard = one node; "group" spans both nodes
+    fm = Strategy.HSDP.topology(world, 2).build()  # shard = one node; "group" spans both nodes
     hier = fm.hierarchy("group")
     world_pg = fm.groups["group"]
     errors: dict[str, str | None] = {}

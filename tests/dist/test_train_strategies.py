@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from flcomm.comm.base import wire_bytes
+from flcomm.federated.config import FedAvgConfig
 from flcomm.train.config import TrainConfig
 from flcomm.train.data import load_tokens
 from flcomm.train.metrics import STEP_FIELDS, read_metrics
@@ -32,7 +33,8 @@ def _run_strategies(rank: int, world: int, out_dir: str) -> dict:
 
     res = {}
     for name, strategy, kw in (("fsdp", "fsdp", {}), ("hsdp", "hsdp", dict(shard_size=2)),
-                               ("fl-fsdp", "fl-fsdp", dict(sync_every=2)), ("fl-hsdp", "fl-hsdp", dict(sync_every=2)),
+                               ("fl-fsdp", "fl-fsdp", dict(fedavg=FedAvgConfig(sync_every=2))),
+                               ("fl-hsdp", "fl-hsdp", dict(fedavg=FedAvgConfig(sync_every=2))),
                                ("fsdp-hier", "fsdp", dict(hierarchical=True))):
         cfg = TrainConfig(strategy=strategy, ranks_per_node=2, metrics=os.path.join(out_dir, f"{name}.jsonl"),
                           **SMALL, **kw)
@@ -201,8 +203,8 @@ def _stop_on_fragment_sync(rank: int, world: int) -> dict:
     from flcomm.train.monitor import Monitor
     from flcomm.train.run import build_run
 
-    cfg = TrainConfig(**{**SMALL, "steps": 8}, strategy="fl-fsdp", ranks_per_node=1, group_size=1, sync_every=E,
-                      fragments=K, nan_policy="stop")
+    cfg = TrainConfig(**{**SMALL, "steps": 8}, strategy="fl-fsdp", ranks_per_node=1, group_size=1,
+                      fedavg=FedAvgConfig(sync_every=E, fragments=K), nan_policy="stop")
     run = build_run(cfg, Monitor(None, rank, world))
     real, now = loop.lm_loss, {"step": 0}
 

@@ -350,7 +350,7 @@ def test_slow_wire_fedavg_plumbing_on_cpu():
     shapes = [(1 << 14,)] * 8 + [(3, 1001)]
     model = Params(shapes, torch.float32, dev)
     fed = FedAvg(model, OneProcessMesh(SlowWire(dev)), sync_every=2, codec="int8", error_feedback=True,
-                 overlap=True, overlap_steps=2, bucket_mb=0.0625)
+                 overlap_steps=2, bucket_mb=0.0625)
     assert fed._exchange.bar.num_buckets >= 8
     for t in range(1, 7):
         _train_step(model, t)
@@ -359,7 +359,7 @@ def test_slow_wire_fedavg_plumbing_on_cpu():
     assert fed.num_syncs == 3
     exact = Params(shapes, torch.float32, dev)
     ref = Params(shapes, torch.float32, dev)
-    fe = FedAvg(exact, OneProcessMesh(SlowWire(dev)), sync_every=2, overlap=True, overlap_steps=2, bucket_mb=0.0625)
+    fe = FedAvg(exact, OneProcessMesh(SlowWire(dev)), sync_every=2, overlap_steps=2, bucket_mb=0.0625)
     for t in range(1, 7):
         _train_step(exact, t)
         _train_step(ref, t)
@@ -390,7 +390,7 @@ def test_fedavg_overlap_end_to_end_on_the_comm_stream():
     dev = torch.device("cuda", torch.cuda.current_device())
     wire = SlowWire(dev, delay_s=0.003)
     model = Params([(1 << 20,)] * 12, torch.float32, dev)
-    fed = FedAvg(model, OneProcessMesh(wire), sync_every=4, codec="int8", error_feedback=True, overlap=True,
+    fed = FedAvg(model, OneProcessMesh(wire), sync_every=4, codec="int8", error_feedback=True,
                  overlap_steps=4, bucket_mb=4.0)
     buckets = fed._exchange.bar.num_buckets
     wire.intervals.clear()  # NOTE: the construction's peer check and broadcast are no exchange
@@ -604,7 +604,7 @@ def _offload_run(offload: str | None, dev: torch.device) -> dict:
         torch.cuda.reset_peak_memory_stats(dev)
     base = torch.cuda.memory_allocated(dev) if cuda else 0
     fed = FedAvg(model, OneProcessMesh(SlowWire(dev)), sync_every=2, fragments=2, codec="none", outer="nesterov",
-                 overlap=True, overlap_steps=1, bucket_mb=1.0, offload=offload)
+                 overlap_steps=1, bucket_mb=1.0, offload=offload)
     for t in range(1, 9):
         _train_step(model, t)
         fed.step()

@@ -653,9 +653,10 @@ def _offload_exchange(rank: int, world: int) -> dict:
     state on the GPU and again in pinned host memory (offload): bit-identical results, and the
     offloaded run (two exchanges and the apply step) allocates at most two buckets on the GPU
     (staging buffer and scratch)."""
+    from flcomm.codecs import get_codec
     from flcomm.comm import TorchTransport
     from flcomm.comm.engine import get_engine
-    from flcomm.federated.exchange import DeltaExchange, resolve_codec
+    from flcomm.federated.exchange import DeltaExchange
     from flcomm.federated.outer import OuterOptimizer
 
     torch.cuda.set_device(0)
@@ -677,7 +678,7 @@ def _offload_exchange(rank: int, world: int) -> dict:
         outer.allocate(anchors[:2])
         if offload:
             outer.buffers = [b.pin_memory() for b in outer.buffers]
-        ex = DeltaExchange(TorchTransport(), loc, codec=resolve_codec("int8"), bucket_mb=bucket_mb,
+        ex = DeltaExchange(TorchTransport(), loc, codec=get_codec("int8"), bucket_mb=bucket_mb,
                            error_feedback=True, in_place=False, anchors=anchors, own=own, outer=outer,
                            momentum_index=[0, 1, None], offload=offload)
         applied = [t.clone() for t in loc]

@@ -44,8 +44,8 @@ def test_strategies_run_specs_and_statistics():
 
     s = bs.RunSpec.parse("fl-fsdp:E=8:codec=int8:overlap:G=2")
     assert (s.strategy, s.sync_every, s.codec, s.overlap, s.group_size) == ("fl-fsdp", 8, "int8", True, 2)
-    assert s.driver_args() == ["--strategy", "fl-fsdp", "--sync-every", "8", "--codec", "int8", "--overlap",
-                               "--group-size", "2"]
+    assert s.driver_args() == ["--strategy", "fl-fsdp", "--sync-every", "8", "--codec", "int8", "--overlap-steps",
+                               "auto", "--group-size", "2"]
     assert bs.RunSpec.parse("fsdp").driver_args() == ["--strategy", "fsdp"]
     assert bs.RunSpec.parse("fsdp:hier").driver_args() == ["--strategy", "fsdp", "--hierarchical"]
     with pytest.raises(ValueError, match="strategy must be one of fsdp, hsdp, fl-fsdp, fl-hsdp, got 'ddp'"):

@@ -96,7 +96,7 @@ def test_a_generation_is_aborted_before_the_next_is_built(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
 def test_only_the_exchange_groups_get_the_cap_on_nccl(monkeypatch, backend):
-    from flcomm.federated.topology import EXCHANGE_GROUPS, FedMesh
+    from flcomm.federated.mesh import EXCHANGE_GROUPS, FedMesh
 
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     mesh = object.__new__(FedMesh)  # NOTE: only the options' choice, no process groups

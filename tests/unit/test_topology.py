@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flcomm.comm.base import LinkTier
+from flcomm.federated.strategy import Strategy
 from flcomm.federated.topology import Topology
 
 
@@ -49,14 +50,14 @@ def test_coords_match_mesh(topo):
 
 
 def test_strategies_and_tiers():
-    fsdp = Topology.fsdp(8, 2)
+    fsdp = Strategy.FSDP.topology(8, 2)
     assert fsdp.mesh_shape == (1, 1, 8) and not fsdp.federated and not fsdp.hybrid
-    hsdp = Topology.hsdp(8, 2)
+    hsdp = Strategy.HSDP.topology(8, 2)
     assert hsdp.mesh_shape == (1, 4, 2) and hsdp.hybrid
-    flf = Topology.fl_fsdp(8, 2, group_size=4)
+    flf = Strategy.FL_FSDP.topology(8, 2, group_size=4)
     assert flf.mesh_shape == (2, 1, 4)
     assert flf.dim_groups("fed") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    flh = Topology.fl_hsdp(8, 2, group_size=4)
+    flh = Strategy.FL_HSDP.topology(8, 2, group_size=4)
     assert flh.mesh_shape == (2, 2, 2)
     assert flh.tier([0, 1]) == LinkTier.INTRA_NODE
     assert flh.tier([0, 2]) == LinkTier.INTER_NODE

@@ -155,17 +155,11 @@ def test_topology_defaults():
 
 @pytest.mark.parametrize("kw,match", [
     (dict(strategy="ddp"), "strategy must be one of fsdp, hsdp, fl-fsdp, fl-hsdp, got 'ddp'"),
-    (dict(sync_every=0), "sync_every .* must be an integer >= 1, got 0"),
-    (dict(codec="zip"), "unknown codec 'zip'; known codecs: .*int8"),
-    (dict(outer="adam"), "outer must be one of .*nesterov.*, got 'adam'"),
     (dict(model="gpt5"), "unknown model preset 'gpt5'"),
     (dict(resume=True), "resume needs a checkpoint directory"),
     (dict(steps=0), "steps must be an integer >= 1, got 0"),
     (dict(beta1=True), "beta1 must be a finite number in \\[0, 1\\], got True"),
     (dict(eval_fraction=1.0), "eval_fraction must be a finite number in \\(0, 1\\), got 1.0"),
-    (dict(fragments=3, sync_every=4), "fragments .K. must divide sync_every=4, got 3"),
-    (dict(overlap=True, overlap_steps=5, sync_every=4),
-     r"overlap_steps .* must be an integer in \[1, 4\] \(at most sync_every\), got 5"),
 ])
 def test_bad_config(kw, match):
     with pytest.raises(ValueError, match=match):
