@@ -147,8 +147,9 @@ class FedAvg:
 
     Attributes:
         config: the :class:`~flcomm.federated.config.FedAvgConfig` in use.
-        overlap_steps: k now (with ``overlap_steps="auto"`` the measured choice once made:
-            :mod:`flcomm.federated.autotune`).
+        overlap_steps: k now (with ``overlap_steps="auto"`` the measured choice once made).
+        auto_overlap: the :class:`~flcomm.federated.autotune.AutoOverlap` measurement of
+            ``overlap_steps="auto"`` (its ``chosen`` k, and what it was measured on), else None.
         exposed_comm_s: cumulative seconds the training loop was blocked on the exchange (see
             the property); with overlap only the part the compute did not hide.
         num_syncs: exchanges applied so far.
@@ -171,8 +172,8 @@ class FedAvg:
         self.model, self.mesh, self.optimizer, self.sync_every = model, mesh, optimizer, cfg.sync_every
         self.error_feedback, self.overlap = cfg.error_feedback, cfg.overlap
         # NOTE: "auto" measures with the largest k that keeps fragments apart, then settles
-        self._auto = AutoOverlap(cfg.sync_every // cfg.fragments) if cfg.overlap_steps == AUTO else None
-        self.overlap_steps = self._auto.k if self._auto is not None else cfg.overlap_steps
+        self.auto_overlap = AutoOverlap(cfg.sync_every // cfg.fragments) if cfg.overlap_steps == AUTO else None
+        self.overlap_steps = self.auto_overlap.k if self.auto_overlap is not None else cfg.overlap_steps
         self.bucket_mb = cfg.bucket_mb
         self.sharded_exchange = cfg.sharded_exchange
         #: the settings saved with the state (:meth:`FedAvgConfig.to_dict`)
@@ -286,8 +287,8 @@ class FedAvg:
         self.steps += 1
         if not self.federated:
             return False
-        if self._auto is not None:
-            self._auto.tick()
+        if self.auto_overlap is not None:
+            self.auto_overlap.tick()
         did = False
         for fr in self._frags:
             if fr.job is not None:
@@ -352,8 +353,8 @@ class FedAvg:
         if self.in_flight:
             raise RuntimeError("FedAvg.state_dict() with an exchange in flight: call finish() first")
         sd = self._checkpoint.save(self.steps, self.num_syncs, self.exposed_comm_s)
-        if self._auto is not None:
-            sd["overlap_steps"] = self._auto.chosen  # NOTE: a resume keeps the measured choice
+        if self.auto_overlap is not None:
+            sd["overlap_steps"] = self.auto_overlap.chosen  # NOTE: a resume keeps the measured choice
         return sd
 
     def check_compatible(self, sd: dict) -> None:
@@ -370,9 +371,9 @@ class FedAvg:
         if self.in_flight:
             raise RuntimeError("FedAvg.load_state_dict() with an exchange in flight: call finish() first")
         self.steps, self.num_syncs, exposed = self._checkpoint.load(sd, source_rank)
-        if self._auto is not None and isinstance(sd.get("overlap_steps"), int):
-            self._auto.settle(sd["overlap_steps"])
-            self.overlap_steps = self._auto.k
+        if self.auto_overlap is not None and isinstance(sd.get("overlap_steps"), int):
+            self.auto_overlap.settle(sd["overlap_steps"])
+            self.overlap_steps = self.auto_overlap.k
         if exposed is not None:
             self.exposed_comm_s = exposed
 
@@ -537,21 +538,22 @@ class FedAvg:
             # NOTE: piece by piece along the buckets: no full-size copy of an offloaded own delta
             fr.exchange.add_own([self.slots[i].local for i in fr.xidx])
         self.num_syncs += 1
-        if on_time and self._auto is not None and self._auto.measuring:
-            proposal = self._auto.sample(job.seconds())
+        if on_time and self.auto_overlap is not None and self.auto_overlap.measuring:
+            proposal = self.auto_overlap.sample(job.seconds())
             if proposal is not None:
                 self._settle_overlap(proposal)
 
     def _settle_overlap(self, proposal: int) -> None:
         """``overlap_steps="auto"``: the largest proposal of the federation group, from now on
         (every rank of a group must apply at the same step; the groups need not agree)."""
-        assert self._auto is not None
+        auto = self.auto_overlap
+        assert auto is not None
         k = torch.tensor([proposal], dtype=torch.int32, device=self.device)
         self.group_transport.all_reduce(k, op="max")
-        self._auto.settle(int(k.item()))
-        self.overlap_steps = self._auto.k
+        auto.settle(int(k.item()))
+        self.overlap_steps = auto.k
         _log.info("FedAvg: overlap_steps='auto' chose k=%d at step %d (exchange %.3f s, step %.3f s, k_max %d)",
-                  self._auto.k, self.steps, self._auto.exchange_s or 0.0, self._auto.step_s or 0.0, self._auto.k_max)
+                  auto.k, self.steps, auto.exchange_s or 0.0, auto.step_s or 0.0, auto.k_max)
 
     def _refuse(self, world_flags: Tensor, fr: _Fragment) -> None:
         flags = world_flags.tolist()

@@ -150,6 +150,7 @@ class StepLogger:
         self.counter = TierCounter(run.mesh.stats)
         self.sums = {t: 0 for t in LinkTier}
         self.exposed_prev = run.fed.exposed_comm_s if run.fed is not None else 0.0
+        self._overlap_told = False
         self.t_start = time.perf_counter() - run.elapsed0
         # NOTE: cumulative: an elastic run's tokens per step change with its live groups
         self.tokens = run.start_step * run.tokens_per_step
@@ -202,7 +203,8 @@ class StepLogger:
             "intranode_bytes": d[LinkTier.INTRA_NODE],
         }
         if fed is not None:
-            rec["num_syncs"] = fed.num_syncs
+            rec["num_syncs"], rec["overlap_steps"] = fed.num_syncs, fed.overlap_steps
+            self._log_overlap_choice(fed)
         if ev is not None:
             rec["eval_loss"], rec["eval_ppl"] = ev, perplexity(ev)
         self.writer.write(rec)
@@ -212,6 +214,15 @@ class StepLogger:
             if ev is not None:
                 post["eval"] = f"{ev:.3f}"
             self.bar.set_postfix(post, refresh=False)
+
+    def _log_overlap_choice(self, fed: Any) -> None:
+        """``--overlap`` (``overlap_steps="auto"``): one line when FedAvg has chosen its k."""
+        auto = fed.auto_overlap
+        if auto is None or auto.chosen is None or self._overlap_told or not self._leads():
+            return
+        self._overlap_told = True
+        print(f"flcomm.train: overlap_steps auto: k = {auto.chosen} (an exchange took {auto.exchange_s or 0:.3f} s, "
+              f"a step {auto.step_s or 0:.3f} s, on this rank)", file=sys.stderr, flush=True)
 
     def finish(self, res: TrainResult, step: int) -> None:
         """Fill ``res``'s totals and write the summary record."""
