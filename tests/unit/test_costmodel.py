@@ -232,10 +232,10 @@ def test_sync_every_crossover_is_the_smallest_paying_E():
 
 def test_recommend_federates_on_slow_links_and_not_on_fast_ones():
     wl = workload()
-    slow = cm.recommend(cluster(nodes=8, be=1e7), wl)
+    slow = cm.recommend(cluster(nodes=8, be=1e7), wl, memory_bytes=math.inf)
     assert slow.best.plan.strategy.federated
     assert slow.best.tokens_per_s >= 0.95 * slow.ranked[0].tokens_per_s
-    fast = cm.recommend(Cluster(8, 2, Link(BI, 0.0), Link(2 * BI * 10, 0.0)), wl)
+    fast = cm.recommend(Cluster(8, 2, Link(BI, 0.0), Link(2 * BI * 10, 0.0)), wl, memory_bytes=math.inf)
     assert not fast.best.plan.strategy.federated, fast.reason
 
 
@@ -252,7 +252,7 @@ def test_recommend_respects_memory():
 
 
 def _all_plans(c, wl):
-    return [p for p in cm.recommend(c, wl, top=10 ** 6).ranked]
+    return [p for p in cm.recommend(c, wl, memory_bytes=math.inf, top=10 ** 6).ranked]
 
 
 def test_memory_per_rank_formula():
@@ -323,7 +323,7 @@ def test_cli_preset_table_crossover_recommend_and_json(tmp_path, capsys):
 
 def test_cli_missing_arguments_exit_2(capsys):
     assert cm.main(["--params", "1e9", "--tokens-per-rank", "10", "--compute-s", "1"]) == 2
-    assert "need --nodes, --ranks-per-node, --intra-gbit, --inter-gbit" in capsys.readouterr().err
+    assert "need --nodes, --ranks-per-node, --intra-bw, --inter-bw" in capsys.readouterr().err
 
 
 def test_cli_measure_without_a_job_says_how_to_launch(capsys, monkeypatch):
