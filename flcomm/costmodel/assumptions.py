@@ -129,7 +129,7 @@ def assumptions(cluster: Cluster, workload: Workload, memory_bytes: float | None
         ("grad_bytes", w.grad_bytes, f"gradients reduce-scattered in {w.grad_bytes} B per element", "--grad-bytes"),
         ("allgathers_per_step", w.allgathers_per_step,
          f"{w.allgathers_per_step:g} parameter all-gathers per step (forward and backward)", "--allgathers-per-step"),
-        ("fsdp_units", w.fsdp_units, f"FSDP units {w.fsdp_units} (each collective issued once per unit)",
+        ("fsdp_units", w.fsdp_units, f"FSDP units {w.fsdp_units}, each collective issued once per unit",
          "--fsdp-units / --layers"),
         ("fsdp_overlap", w.fsdp_overlap,
          f"FSDP overlap {w.fsdp_overlap:g}: {100 * w.fsdp_overlap:g}% of in-group communication hidden behind "

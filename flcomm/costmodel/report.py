@@ -14,7 +14,7 @@ from flcomm.costmodel.model import Cluster, Prediction, Strategy, Workload, pred
 __all__ = ["SWEEP_E", "Row", "format_table", "ratio", "row_record", "sync_every_sweep"]
 
 SWEEP_E = (1, 2, 4, 8, 16)  # the E of the sweep beside the recommended plan (and its own E)
-_HDR = (f"{'plan':<38} {'step s':>9} {'comm s':>9} {'tokens/s':>11} {'vs FSDP':>8} {'vs HSDP':>8} "
+_HDR = (f"{'plan':<38} {'step s':>9} {'exposed s':>9} {'tokens/s':>11} {'vs FSDP':>8} {'vs HSDP':>8} "
         f"{'inter-node/step':>15} {'inter-group/step':>16} {'mem/rank':>10}")
 
 Row = tuple[str, Prediction]  # (mark: "" or "*", prediction)
@@ -45,7 +45,7 @@ def _line(mark: str, p: Prediction, fsdp: Prediction | None, hsdp: Prediction | 
 def _overlap_note(p: Prediction, wl: Workload) -> str:
     hidden = min(wl.fsdp_overlap * p.inner_comm_s, p.compute_s)
     return (f"    ^ FSDP's {p.inner_comm_s:.3g} s of in-group communication per step, {hidden:.3g} s of it hidden "
-            f"(--fsdp-overlap {wl.fsdp_overlap:g}, {wl.fsdp_units} FSDP units)")
+            f"(--fsdp-overlap {wl.fsdp_overlap:g} of it, at most the compute; {wl.fsdp_units} FSDP units)")
 
 
 def format_table(rows: Sequence[Row], wl: Workload, fsdp: Prediction | None, hsdp: Prediction | None,
