@@ -564,3 +564,20 @@ def test_help_shows_every_default(monkeypatch, capsys):
             assert "(default:" in entry or act.dest in must_give, entry
         else:
             assert f"(default: {act.default})" in entry, entry
+
+
+def test_a_measured_gloo_cluster_assumes_no_fsdp_overlap_and_says_measured(tmp_path, capsys):
+    m = tmp_path / "m.json"
+    m.write_text(json.dumps({"nodes": 2, "ranks_per_node": 2, "backend": "gloo",
+                             "intra_node": {"bandwidth_Bps": BI, "latency_s": AI},
+                             "inter_node": {"bandwidth_Bps": BE, "latency_s": AE}}))
+    out = tmp_path / "o.json"
+    assert cm.main(["--cluster-json", str(m), "--params", "1e6", "--tokens-per-rank", "1000", "--compute-s", "0.1",
+                    "--fsdp-units", "1", "--activation-gb", "0", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    a = rec["assumptions"]
+    assert a["fsdp_overlap"]["value"] == 0.0 and a["reduce_scatter_as_all_reduce"]["value"] is True
+    assert {a[k]["source"] for k in ("intra_node", "inter_node", "inter_group")} == {f"measured ({m})"}
+    c = Cluster(2, 2, Link(BI, AI), Link(BE, AE), reduce_scatter_as_all_reduce=True)
+    assert rec["predictions"][0]["step_time_s"] == pytest.approx(
+        predict(c, workload(grad_bytes=2, activation_bytes=0.0), Plan("fsdp")).step_time_s, rel=1e-12)
