@@ -44,7 +44,7 @@ from flcomm.costmodel.model import (
 from flcomm.costmodel.probe import measure_main
 from flcomm.costmodel.report import format_table, row_record, sync_every_sweep
 from flcomm.costmodel.search import crossover_bandwidth_ratio, crossover_sync_every, recommend
-from flcomm.validate import number
+from flcomm.validate import integer, number
 
 _TIERS = ("intra", "inter", "group")
 
@@ -176,7 +176,8 @@ class _Sources:
             return f"preset {self.name}"
         return otherwise
 
-    def set(self, dest: str) -> bool:
+    def has(self, dest: str) -> bool:
+        """``dest`` came from the command line or the preset."""
         return self.of(dest, otherwise="") != ""
 
 
@@ -212,12 +213,12 @@ def _workload(a: argparse.Namespace, c: Cluster, src: _Sources, sources: dict, h
         compute_s = compute_time_from_flops(a.params, a.tokens_per_rank, a.tflops * 1e12, a.mfu)
         how["compute_s"] = f"6 x N x tokens / ({a.tflops:g} TFLOP/s x MFU {a.mfu:g} [{src.of('mfu')}])"
     sources["compute_s"] = src.of("compute_s", "tflops")
-    blocks = a.layers or estimate_blocks(a.params)
-    units = a.fsdp_units or blocks + 1
-    if not src.set("fsdp_units"):
-        sources["fsdp_units"] = "derived" if src.set("layers") else "estimated"
-        how["fsdp_units"] = (f"{blocks} blocks{' (--layers)' if src.set('layers') else ''} + the root"
-                             + ("" if src.set("layers") else f"; blocks from N with d_model = {ASPECT} x blocks"))
+    blocks = integer("--layers", a.layers, 1) if a.layers is not None else estimate_blocks(a.params)
+    units = a.fsdp_units if a.fsdp_units is not None else blocks + 1
+    if not src.has("fsdp_units"):
+        sources["fsdp_units"] = "derived" if src.has("layers") else "estimated"
+        how["fsdp_units"] = (f"{blocks} blocks (--layers) + the root" if src.has("layers") else
+                             f"{blocks} blocks + the root; blocks from N with d_model = {ASPECT} x blocks")
     overlap = a.fsdp_overlap
     if overlap is None:
         overlap = FSDP_OVERLAP["gloo" if c.reduce_scatter_as_all_reduce else "nccl"]
