@@ -581,3 +581,10 @@ def test_a_measured_gloo_cluster_assumes_no_fsdp_overlap_and_says_measured(tmp_p
     c = Cluster(2, 2, Link(BI, AI), Link(BE, AE), reduce_scatter_as_all_reduce=True)
     assert rec["predictions"][0]["step_time_s"] == pytest.approx(
         predict(c, workload(grad_bytes=2, activation_bytes=0.0), Plan("fsdp")).step_time_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("flag, message", [("--layers", "--layers must be an integer >= 1, got 0"),
+                                           ("--fsdp-units", "fsdp_units must be an integer >= 1, got 0")])
+def test_zero_layers_or_units_are_refused_not_estimated(flag, message, capsys):
+    assert cm.main([*QUESTION, flag, "0"]) == 2
+    assert message in capsys.readouterr().err
