@@ -1,7 +1,16 @@
 """Communication cost model of FSDP, HSDP, FL+FSDP and FL+HSDP (see :mod:`flcomm.costmodel.model`
 for the model itself, :mod:`~flcomm.costmodel.search` for the crossover and the recommendation,
-:mod:`~flcomm.costmodel.probe` for ``--measure``; the CLI is ``flcomm-costmodel``)."""
+:mod:`~flcomm.costmodel.probe` for ``--measure``, :mod:`~flcomm.costmodel.assumptions` for what an
+answer assumes and the units of bandwidths, :mod:`~flcomm.costmodel.report` for its table; the CLI
+is ``flcomm-costmodel``)."""
 
+from flcomm.costmodel.assumptions import (
+    Assumption,
+    assumptions,
+    estimate_activation_bytes,
+    estimate_blocks,
+    parse_bandwidth,
+)
 from flcomm.costmodel.model import (
     GBIT,
     PRESETS,
@@ -43,8 +52,9 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "GBIT", "PRESETS", "Cluster", "Crossover", "Link", "Plan", "Prediction", "Recommendation", "Strategy",
-    "Workload", "codec_nbytes", "collective_time", "compute_time_from_flops", "crossover_bandwidth_ratio",
-    "crossover_sync_every", "fedavg_shard_copies", "main", "memory_per_rank", "measure_tiers", "predict",
+    "GBIT", "PRESETS", "Assumption", "Cluster", "Crossover", "Link", "Plan", "Prediction", "Recommendation",
+    "Strategy", "Workload", "assumptions", "codec_nbytes", "collective_time", "compute_time_from_flops",
+    "crossover_bandwidth_ratio", "crossover_sync_every", "estimate_activation_bytes", "estimate_blocks",
+    "fedavg_shard_copies", "main", "memory_per_rank", "measure_tiers", "parse_bandwidth", "predict",
     "predict_strategies", "recommend", "speedup",
 ]

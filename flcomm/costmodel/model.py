@@ -47,12 +47,13 @@ is a compressed two-hop all-reduce whose wire bytes equal a ring all-reduce of t
 buffer, whose size the codec itself reports (``Codec.encoded_nbytes``: none 4 bytes per element,
 bf16/fp16 2, int8/fp8 1 plus a 4-byte scale per block).
 
-CLI::
+CLI (bandwidths as 400GB/s, 3200Gbit/s, 100gbit, or a bare number in Gbit/s; it prints every
+assumption first, and --recommend needs --memory-gb)::
 
     flcomm-costmodel --preset llama3.1-8b-leonardo                  # the four strategies
-    flcomm-costmodel --params 1e9 --nodes 16 --ranks-per-node 8 --intra-gbit 2400 \\
-        --inter-gbit 400 --tokens-per-rank 8192 --compute-s 1.5 --group-size 8 --sync-every 8 \\
-        --codec int8 --crossover --recommend
+    flcomm-costmodel --params 1e9 --nodes 16 --ranks-per-node 8 --intra-bw 300GB/s \\
+        --inter-bw 400Gbit/s --tokens-per-rank 8192 --compute-s 1.5 --group-size 8 --sync-every 8 \\
+        --codec int8 --crossover --recommend --memory-gb 80
     torchrun --nproc-per-node 4 -m flcomm.costmodel --measure --ranks-per-node 4 --measure-json m.json
     flcomm-costmodel --cluster-json m.json --params 1e8 ...   # model a measured cluster
 """

@@ -117,16 +117,18 @@ class Recommendation:
     ranked: list[Prediction]
     reason: str
     left_out: str = ""  # which plans did not fit in memory, and why
+    memory_bytes: float = math.inf  # the limit every ranked plan fits in (inf: not checked)
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def recommend(cluster: Cluster, workload: Workload, *, codecs: Sequence[str] = ("none", "bf16", "int8", "fp8"),
-              max_sync_every: int = 32, allow_overlap: bool = True, memory_bytes: float | None = None,
-              tolerance: float = 0.05, top: int = 10) -> Recommendation:
-    """Recommend strategy, group size, E and codec for ``cluster``.
+def recommend(cluster: Cluster, workload: Workload, *, memory_bytes: float,
+              codecs: Sequence[str] = ("none", "bf16", "int8", "fp8"), max_sync_every: int = 32,
+              allow_overlap: bool = True, tolerance: float = 0.05, top: int = 10) -> Recommendation:
+    """Recommend strategy, group size, E and codec for ``cluster`` among the plans that fit in
+    ``memory_bytes`` per rank (required: ``math.inf`` skips the check, and the reason says so).
 
     Steps:
       1. enumerate the valid plans: FSDP, HSDP (every S that divides P), and for FL every G
@@ -143,6 +145,8 @@ def recommend(cluster: Cluster, workload: Workload, *, codecs: Sequence[str] = (
     """
     for c in codecs:
         get_codec(c)  # NOTE: raises ValueError naming the known codecs
+    if memory_bytes != math.inf:
+        number("memory_bytes", memory_bytes, 0, lo_open=True, also=" per rank (math.inf skips the check)")
     integer("max_sync_every", max_sync_every, 1)
     P, L = cluster.world_size, cluster.ranks_per_node
     Es = [2 ** i for i in range(int(math.log2(max_sync_every)) + 1)]
@@ -169,7 +173,7 @@ def recommend(cluster: Cluster, workload: Workload, *, codecs: Sequence[str] = (
             pr = predict(cluster, workload, pl)
         except ValueError:
             continue
-        (too_big if memory_bytes is not None and pr.memory_total > memory_bytes else preds).append(pr)
+        (too_big if pr.memory_total > memory_bytes else preds).append(pr)
     left_out = _left_out(too_big, memory_bytes)
     if not preds:
         raise ValueError(f"no plan fits: {left_out}")
@@ -185,11 +189,14 @@ def recommend(cluster: Cluster, workload: Workload, *, codecs: Sequence[str] = (
     best = min(near, key=closeness)
     reason = (f"{best.plan.label()}: {best.tokens_per_s:.4g} tokens/s, within {100 * tolerance:g}% of the "
               f"fastest plan ({preds[0].plan.label()}, {best_tps:.4g} tokens/s) and the closest to "
-              f"synchronous training among those ({len(near)} candidates)")
-    return Recommendation(best, preds[:top], reason, left_out)
+              f"synchronous training among those ({len(near)} candidates); "
+              + (f"needs {format_bytes(best.memory_total)} of {format_bytes(memory_bytes)} per rank"
+                 if memory_bytes != math.inf else
+                 f"MEMORY NOT CHECKED: it needs {format_bytes(best.memory_total)} per rank"))
+    return Recommendation(best, preds[:top], reason, left_out, memory_bytes)
 
 
-def _left_out(too_big: list[Prediction], memory_bytes: float | None) -> str:
+def _left_out(too_big: list[Prediction], memory_bytes: float) -> str:
     if not too_big:
         return ""
     fastest = max(too_big, key=lambda p: p.tokens_per_s)

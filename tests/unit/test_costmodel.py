@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -232,10 +234,10 @@ def test_sync_every_crossover_is_the_smallest_paying_E():
 
 def test_recommend_federates_on_slow_links_and_not_on_fast_ones():
     wl = workload()
-    slow = cm.recommend(cluster(nodes=8, be=1e7), wl)
+    slow = cm.recommend(cluster(nodes=8, be=1e7), wl, memory_bytes=math.inf)
     assert slow.best.plan.strategy.federated
     assert slow.best.tokens_per_s >= 0.95 * slow.ranked[0].tokens_per_s
-    fast = cm.recommend(Cluster(8, 2, Link(BI, 0.0), Link(2 * BI * 10, 0.0)), wl)
+    fast = cm.recommend(Cluster(8, 2, Link(BI, 0.0), Link(2 * BI * 10, 0.0)), wl, memory_bytes=math.inf)
     assert not fast.best.plan.strategy.federated, fast.reason
 
 
@@ -252,7 +254,7 @@ def test_recommend_respects_memory():
 
 
 def _all_plans(c, wl):
-    return [p for p in cm.recommend(c, wl, top=10 ** 6).ranked]
+    return [p for p in cm.recommend(c, wl, memory_bytes=math.inf, top=10 ** 6).ranked]
 
 
 def test_memory_per_rank_formula():
@@ -323,7 +325,7 @@ def test_cli_preset_table_crossover_recommend_and_json(tmp_path, capsys):
 
 def test_cli_missing_arguments_exit_2(capsys):
     assert cm.main(["--params", "1e9", "--tokens-per-rank", "10", "--compute-s", "1"]) == 2
-    assert "need --nodes, --ranks-per-node, --intra-gbit, --inter-gbit" in capsys.readouterr().err
+    assert "need --nodes, --ranks-per-node, --intra-bw, --inter-bw" in capsys.readouterr().err
 
 
 def test_cli_measure_without_a_job_says_how_to_launch(capsys, monkeypatch):
@@ -345,3 +347,244 @@ def test_cli_explicit_flag_beats_preset_even_at_parser_default(tmp_path, capsys)
     fsdp = json.loads(out.read_text())["predictions"][0]
     assert fsdp["plan"]["strategy"] == "fsdp"
     assert fsdp["step_time_s"] == pytest.approx(predict(c, wl, Plan("fsdp")).step_time_s, rel=1e-12)
+
+
+# ---------------------------------------------------------------- stated assumptions (issue 25) ----
+
+# The question of issue 25: 16 nodes of 8 GPUs, 400 GB/s in a node, 25 GB/s between nodes, 8B.
+QUESTION = ["--params", "8e9", "--nodes", "16", "--ranks-per-node", "8", "--intra-bw", "400GB/s",
+            "--inter-bw", "25GB/s", "--tokens-per-rank", "8192", "--tflops", "989"]
+Q_N, Q_TOKENS = 8e9, 8192
+
+
+def _ask(tmp_path, capsys, *extra: str) -> tuple[str, dict]:
+    out = tmp_path / "q.json"
+    assert cm.main([*QUESTION, *extra, "--json", str(out)]) == 0
+    return capsys.readouterr().out, json.loads(out.read_text())
+
+
+def _blocks(n: float) -> int:
+    """The l with (l - 1/2)^3 <= N / (12 * 128^2) < (l + 1/2)^3: N = 12 l d^2 at d = 128 l."""
+    x = n / (12 * 128**2)
+    return next(lo for lo in range(1, 1000) if x < (lo + 0.5) ** 3)
+
+
+def _question_workload(**kw) -> Workload:
+    blocks = _blocks(Q_N)
+    d = math.sqrt(Q_N / (12 * blocks))
+    base = dict(params=Q_N, tokens_per_rank=Q_TOKENS, compute_s=6 * Q_N * Q_TOKENS / (989e12 * 0.4),
+                fsdp_units=blocks + 1, fsdp_overlap=0.8,
+                activation_bytes=2 * Q_TOKENS * d * blocks + 34 * Q_TOKENS * d + 4 * Q_TOKENS * 128256)
+    base.update(kw)
+    return Workload(**base)
+
+
+Q_CLUSTER = Cluster(16, 8, Link(400e9), Link(25e9))
+
+
+@pytest.mark.parametrize("text, bytes_per_s", [
+    ("25GB/s", 25e9), ("200Gbit/s", 25e9), ("200gbit", 25e9), ("200", 25e9), ("200Gbps", 25e9),
+    ("25 GB", 25e9), ("1.6Tbit/s", 2e11), ("500MB/s", 5e8), ("100Mbit", 1.25e7), (" 2e2 GBIT/s ", 25e9),
+])
+def test_bandwidth_units_parse_to_bytes_per_s(text: str, bytes_per_s: float):
+    """GB/s are 8 Gbit/s; a bare number keeps the flags' old meaning, Gbit/s."""
+    assert cm.parse_bandwidth(text) == bytes_per_s
+
+
+@pytest.mark.parametrize("text", ["25gb/s", "25Gb/s", "25/s", "25 GiB/s", "fast", "", "-1GB/s", "0gbit", "nanGB/s"])
+def test_bad_bandwidth_units_name_what_came_and_what_is_allowed(text: str, capsys):
+    with pytest.raises(ValueError, match=rf"bandwidth must be .*({re.escape(repr(text))}|{re.escape(text)})"):
+        cm.parse_bandwidth(text)
+    with pytest.raises(SystemExit) as e:
+        cm.main([*QUESTION, f"--inter-bw={text}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --inter-bw/--inter-gbit: bandwidth must be" in err and repr(text) in err
+
+
+def test_gbyte_and_gbit_flags_predict_the_same(tmp_path, capsys):
+    _, byte = _ask(tmp_path, capsys, "--memory-gb", "80")
+    _, bit = _ask(tmp_path, capsys, "--memory-gb", "80", "--intra-gbit", "3200", "--inter-bw", "200Gbit/s")
+    assert byte["assumptions"]["inter_node"]["value"] == bit["assumptions"]["inter_node"]["value"] == 25e9
+    assert byte["assumptions"]["intra_node"]["value"] == bit["assumptions"]["intra_node"]["value"] == 400e9
+    assert [p["step_time_s"] for p in byte["predictions"]] == [p["step_time_s"] for p in bit["predictions"]]
+
+
+def test_assumptions_name_each_default_and_json_carries_them(tmp_path, capsys):
+    text, rec = _ask(tmp_path, capsys, "--memory-gb", "80")
+    a = rec["assumptions"]
+    wl = _question_workload()
+    expected = {"compute_s": wl.compute_s, "param_bytes": 2, "grad_bytes": 2, "allgathers_per_step": 2,
+                "fsdp_units": wl.fsdp_units, "fsdp_overlap": 0.8, "overlap_steps": 1, "state_bytes_per_param": 16,
+                "activation_bytes": wl.activation_bytes, "bucket_bytes": 25 * 2**20, "memory_limit_bytes": 80e9,
+                "intra_node": 400e9, "inter_node": 25e9, "inter_group": 25e9, "reduce_scatter_as_all_reduce": False,
+                "convergence": None}
+    assert set(a) == set(expected)
+    for key, value in expected.items():
+        assert a[key]["value"] == pytest.approx(value, rel=1e-12) if value else a[key]["value"] == value, key
+        if key != "convergence":
+            assert a[key]["text"] in text, key  # every one printed, with its source and flag
+            assert f"  {a[key]['text']}  [{a[key]['source']}; {a[key]['flag']}]" in text
+    assert {k: a[k]["source"] for k in ("fsdp_units", "activation_bytes", "fsdp_overlap", "memory_limit_bytes",
+                                         "state_bytes_per_param", "inter_node", "inter_group")} == {
+        "fsdp_units": "estimated", "activation_bytes": "estimated", "fsdp_overlap": "default",
+        "memory_limit_bytes": "flag", "state_bytes_per_param": "default", "inter_node": "flag",
+        "inter_group": "default"}
+    for named in ("MFU 0.4 [default]", f"FSDP units {wl.fsdp_units}", "FSDP overlap 0.8", "memory limit 80 GB",
+                  "training state 16 B per parameter", "25 GB/s (200 Gbit/s) per node"):
+        assert named in text, named
+    assert "note: convergence is not modelled" in text and rec["notes"] == [a["convergence"]["text"]]
+    # the values stated are the values used
+    fsdp = predict(Q_CLUSTER, wl, Plan("fsdp"))
+    assert rec["predictions"][0]["step_time_s"] == pytest.approx(fsdp.step_time_s, rel=1e-12)
+    assert rec["predictions"][0]["memory_total"] == pytest.approx(fsdp.memory_total, rel=1e-12)
+
+
+def test_without_a_memory_limit_nothing_is_recommended(tmp_path, capsys):
+    assert cm.main([*QUESTION, "--recommend"]) == 2
+    out = capsys.readouterr()
+    assert "--recommend needs --memory-gb" in out.err and "recommended" not in out.out
+    text, rec = _ask(tmp_path, capsys)
+    assert "memory NOT checked" in text and rec["assumptions"]["memory_limit_bytes"]["value"] is None
+    assert "mem/rank: not checked" in text and "recommendation" not in rec
+    text, rec = _ask(tmp_path, capsys, "--recommend", "--memory-gb", "inf")  # asked for: said loudly
+    assert "MEMORY NOT CHECKED" in rec["recommendation"]["reason"] and "memory NOT checked" in text
+    with pytest.raises(TypeError, match="memory_bytes"):
+        cm.recommend(cluster(), workload())  # the library asks for it too
+    with pytest.raises(ValueError, match=r"memory_bytes must be a finite number > 0 .*math.inf.*got None"):
+        cm.recommend(cluster(), workload(), memory_bytes=None)
+
+
+def test_a_plan_that_does_not_fit_is_never_recommended(tmp_path, capsys):
+    wl = _question_workload()
+    free = cm.recommend(Q_CLUSTER, wl, memory_bytes=math.inf).best
+    limit = free.memory_total * 0.99
+    rec = cm.recommend(Q_CLUSTER, wl, memory_bytes=limit)
+    assert rec.best.memory_total <= limit and rec.best.plan != free.plan
+    assert all(p.memory_total <= limit for p in rec.ranked)
+    # the CLI: rows over the limit are marked, the recommendation fits
+    text, out = _ask(tmp_path, capsys, "--recommend", "--memory-gb", "20")
+    for row in out["predictions"]:
+        assert row["fits"] == (row["memory_total"] <= 20e9)
+        line = next(x for x in text.splitlines() if x[2:].startswith(row["label"] + " "))
+        assert line.endswith("!") != row["fits"], line
+    assert out["recommendation"]["best"]["memory_total"] <= 20e9 and out["recommendation"]["best"]["fits"]
+    assert "mem/rank with !: needs more than 20 GB per rank" in text
+
+
+@pytest.mark.parametrize("flags, units, source", [
+    ((), _blocks(Q_N) + 1, "estimated"), (("--layers", "32"), 33, "derived"), (("--fsdp-units", "7"), 7, "flag")])
+def test_fsdp_units_come_from_the_model(tmp_path, capsys, flags, units, source):
+    _, rec = _ask(tmp_path, capsys, *flags)
+    assert rec["assumptions"]["fsdp_units"]["value"] == units
+    assert rec["assumptions"]["fsdp_units"]["source"] == source
+    fsdp = rec["predictions"][0]
+    assert fsdp["memory_bytes"]["unsharded"] == pytest.approx(Q_N / units * (2 * 2 + 2), rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [1e8, 1.2e9, 8.03e9, 7e10, 4.05e11])
+def test_blocks_estimate_solves_n_equals_12_l_d2(n: float):
+    l_est = cm.estimate_blocks(n)
+    assert l_est == _blocks(n)
+    assert cm.estimate_activation_bytes(n, l_est, 1000, 1) == pytest.approx(
+        1000 * math.sqrt(n / (12 * l_est)) * (2 * l_est + 34) + 4000, rel=1e-12)
+
+
+def test_the_preset_states_its_own_units_and_memory(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert cm.main(["--preset", "llama3.1-8b-leonardo", "--json", str(out)]) == 0
+    a = json.loads(out.read_text())["assumptions"]
+    assert a["fsdp_units"]["value"] == 33 and a["fsdp_units"]["source"] == "preset llama3.1-8b-leonardo"
+    assert a["memory_limit_bytes"]["value"] == 64e9 and a["activation_bytes"]["value"] == 8e9
+
+
+@pytest.mark.parametrize("flags, overlap", [((), 0.8), (("--fsdp-overlap", "0.5"), 0.5), (("--gloo",), 0.0)])
+def test_fsdp_overlap_is_stated_beside_the_fsdp_row(tmp_path, capsys, flags, overlap):
+    text, rec = _ask(tmp_path, capsys, *flags)
+    assert rec["assumptions"]["fsdp_overlap"]["value"] == overlap
+    lines = text.splitlines()
+    i = next(i for i, x in enumerate(lines) if x.startswith("  fsdp "))
+    p = predict(Cluster(16, 8, Link(400e9), Link(25e9), reduce_scatter_as_all_reduce="--gloo" in flags),
+                _question_workload(fsdp_overlap=overlap), Plan("fsdp"))
+    hidden = min(overlap * p.inner_comm_s, p.compute_s)
+    assert lines[i + 1].startswith("    ^ FSDP's ")
+    assert f"{p.inner_comm_s:.3g} s of in-group communication per step, {hidden:.3g} s of it hidden " \
+           f"(--fsdp-overlap {overlap:g}" in lines[i + 1]
+
+
+def test_the_recommended_plan_is_a_row_with_its_ratios_and_an_e_sweep(tmp_path, capsys):
+    text, rec = _ask(tmp_path, capsys, "--recommend", "--memory-gb", "80")
+    wl = _question_workload()
+    r = rec["recommendation"]
+    plan = Plan(**r["best"]["plan"])
+    fsdp, hsdp = predict(Q_CLUSTER, wl, Plan("fsdp")), predict(Q_CLUSTER, wl, Plan("hsdp"))
+    best = predict(Q_CLUSTER, wl, plan)
+    assert r["best"]["vs_fsdp"] == pytest.approx(fsdp.step_time_s / best.step_time_s, rel=1e-12)
+    assert r["best"]["vs_hsdp"] == pytest.approx(hsdp.step_time_s / best.step_time_s, rel=1e-12)
+    row = next(x for x in text.splitlines() if x.startswith(f"* {plan.label()} "))
+    for base in (fsdp, hsdp):
+        assert f" {base.step_time_s / best.step_time_s:.2f}x " in row
+    sweep = r["sync_every_sweep"]
+    assert [x["plan"]["sync_every"] for x in sweep] == sorted({1, 2, 4, 8, 16, plan.sync_every})
+    for x in sweep:
+        p = predict(Q_CLUSTER, wl, replace(plan, sync_every=x["plan"]["sync_every"]))
+        assert x["step_time_s"] == pytest.approx(p.step_time_s, rel=1e-12)
+        assert x["vs_fsdp"] == pytest.approx(fsdp.step_time_s / p.step_time_s, rel=1e-12)
+        assert any(line[2:].startswith(p.plan.label() + " ") for line in text.splitlines())
+
+
+def test_help_shows_every_default(monkeypatch, capsys):
+    """Each option's help entry (from its flag to the next option's) ends with its default, or
+    says how an unset one is derived; only what must be given has none."""
+    from flcomm.costmodel.__main__ import make_parser
+
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        cm.main(["--help"])
+    out = capsys.readouterr().out
+    helptext = " ".join(out[out.index("options:"):].split())
+    acts = [a for a in make_parser()._actions if a.dest != "help"]
+
+    def start(act) -> str:
+        opt = act.option_strings[0]
+        if act.nargs == 0:
+            return f"{opt} {act.help.split()[0]}"
+        return f"{opt} {{" if act.choices else f"{opt} {act.metavar or act.dest.upper()}"
+
+    pos = []
+    for act in acts:
+        pos.append(helptext.index(start(act), pos[-1] + 1 if pos else 0))
+    must_give = {"nodes", "ranks_per_node", "intra_bw", "inter_bw", "cluster_json", "params", "tokens_per_rank",
+                 "tflops", "json", "measure_json", "preset"}
+    for act, a, b in zip(acts, pos, [*pos[1:], len(helptext)]):
+        entry = helptext[a:b]
+        if act.default is False:
+            continue  # a switch
+        if act.default is None:
+            assert "(default:" in entry or act.dest in must_give, entry
+        else:
+            assert f"(default: {act.default})" in entry, entry
+
+
+def test_a_measured_gloo_cluster_assumes_no_fsdp_overlap_and_says_measured(tmp_path, capsys):
+    m = tmp_path / "m.json"
+    m.write_text(json.dumps({"nodes": 2, "ranks_per_node": 2, "backend": "gloo",
+                             "intra_node": {"bandwidth_Bps": BI, "latency_s": AI},
+                             "inter_node": {"bandwidth_Bps": BE, "latency_s": AE}}))
+    out = tmp_path / "o.json"
+    assert cm.main(["--cluster-json", str(m), "--params", "1e6", "--tokens-per-rank", "1000", "--compute-s", "0.1",
+                    "--fsdp-units", "1", "--activation-gb", "0", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    a = rec["assumptions"]
+    assert a["fsdp_overlap"]["value"] == 0.0 and a["reduce_scatter_as_all_reduce"]["value"] is True
+    assert {a[k]["source"] for k in ("intra_node", "inter_node", "inter_group")} == {f"measured ({m})"}
+    c = Cluster(2, 2, Link(BI, AI), Link(BE, AE), reduce_scatter_as_all_reduce=True)
+    assert rec["predictions"][0]["step_time_s"] == pytest.approx(
+        predict(c, workload(grad_bytes=2, activation_bytes=0.0), Plan("fsdp")).step_time_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("flag, message", [("--layers", "--layers must be an integer >= 1, got 0"),
+                                           ("--fsdp-units", "fsdp_units must be an integer >= 1, got 0")])
+def test_zero_layers_or_units_are_refused_not_estimated(flag, message, capsys):
+    assert cm.main([*QUESTION, flag, "0"]) == 2
+    assert message in capsys.readouterr().err
