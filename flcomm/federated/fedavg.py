@@ -220,6 +220,12 @@ class FedAvg:
         self._world_flags = torch.zeros(self.topology.world_size + 1, dtype=torch.int32, device=self.device)
         if sync_init and self.transport is not None:
             broadcast(self.transport, [s.local for s in self.slots], 0)  # NOTE: all start from group 0's model
+            # NOTE: a one-to-all broadcast ends at different times on different groups (seconds on a
+            # slow link); a barrier over the group, then the fed group, lets every rank leave here
+            # together, so the wait is paid now, not by the first sync's step
+            one = torch.ones(1, device=self.device)
+            self.group_transport.all_reduce(one, op="sum")
+            self.transport.all_reduce(one, op="sum")
         self._exposure = ExposedTime(events=self.device.type == "cuda", new_event=lambda: cuda_event(self.device))
         work = [bucket_dtype(t.dtype, self.in_place) for t in locals_]
         home = torch.device("cpu") if self.offload else self.device
