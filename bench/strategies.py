@@ -337,9 +337,7 @@ def analyse(a: argparse.Namespace, measured: dict, results: list[RunResult], com
         wl = cm.Workload(params=cfgd["num_params"], tokens_per_rank=tokens_per_step / cfgd["world_size"],
                          compute_s=compute_s, param_bytes=4, grad_bytes=4,
                          allgathers_per_step=effective_allgathers(a.model), fsdp_units=units)
-        plan = cm.Plan(r.spec.strategy, cfgd["group_size"], cfgd["shard_size"], r.spec.sync_every, r.spec.codec,
-                       r.spec.overlap, r.spec.hierarchical, fragments=r.spec.fragments,
-                       sharded_exchange=not r.spec.unsharded)
+        plan = cm.Plan(r.spec.strategy, cfgd["group_size"], cfgd["shard_size"], r.spec.fedavg(), r.spec.hierarchical)
         pred = cm.predict(cluster, wl, plan)
         steps_n = len(r.steps)
         rec = {

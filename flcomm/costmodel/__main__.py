@@ -15,7 +15,6 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from flcomm.codecs import CODECS
 from flcomm.costmodel import model as _model
 from flcomm.costmodel.assumptions import (
     ASPECT,
@@ -44,6 +43,7 @@ from flcomm.costmodel.model import (
 from flcomm.costmodel.probe import measure_main
 from flcomm.costmodel.report import format_table, row_record, sync_every_sweep
 from flcomm.costmodel.search import crossover_bandwidth_ratio, crossover_sync_every, recommend
+from flcomm.federated.config import FedAvgConfig
 from flcomm.validate import integer, number
 
 _TIERS = ("intra", "inter", "group")
@@ -114,10 +114,8 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--group-size", type=int, help="G (default: one node)")
     s.add_argument("--shard-size", type=int, help="S for HSDP variants (default: one node)")
     s.add_argument("--hsdp-group-size", type=int, help="G of FL+HSDP (default: two shards)")
-    s.add_argument("--sync-every", type=int, default=8, help="E of the table's FL rows")
-    s.add_argument("--codec", default="none", choices=list(CODECS), help="codec of the table's FL rows")
-    s.add_argument("--overlap", action="store_true", help="overlap the table's FL exchanges")
     s.add_argument("--hierarchical", action="store_true", help="in-group collectives intra-node first")
+    FedAvgConfig.add_arguments(p.add_argument_group("FedAvg of the table's FL rows (the trainer's flags)"))
     m = p.add_argument_group("modes")
     m.add_argument("--crossover", action="store_true", help="bandwidth-ratio and E crossovers of the FL plans")
     m.add_argument("--threshold", type=float, default=1.0, help="speedup that counts as paying")
@@ -288,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         setup = _build(a, _given(argv))
         c, wl, mem = setup.cluster, setup.workload, setup.memory_bytes
-        preds = predict_strategies(c, wl, a.group_size, a.shard_size, a.sync_every, a.codec, a.overlap,
-                                   a.hierarchical, a.hsdp_group_size)
+        preds = predict_strategies(c, wl, a.group_size, a.shard_size, FedAvgConfig.from_args(a), a.hierarchical,
+                                   a.hsdp_group_size)
         rec = _recommend(a, setup) if a.recommend else None
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -134,15 +134,11 @@ def assumptions(cluster: Cluster, workload: Workload, memory_bytes: float | None
         ("fsdp_overlap", w.fsdp_overlap,
          f"FSDP overlap {w.fsdp_overlap:g}: {100 * w.fsdp_overlap:g}% of in-group communication hidden behind "
          "compute", "--fsdp-overlap"),
-        ("overlap_steps", w.overlap_steps,
-         f"an overlapped FedAvg exchange hides behind {w.overlap_steps} step(s) of compute", "Workload.overlap_steps"),
         ("state_bytes_per_param", w.state_bytes_per_param,
          f"training state {w.state_bytes_per_param:g} B per parameter, sharded (bf16 parameters + fp32 "
          "master + Adam m and v = 16)", "--state-bytes"),
         ("activation_bytes", w.activation_bytes, f"activations {format_bytes(w.activation_bytes)} per rank",
          "--activation-gb"),
-        ("bucket_bytes", w.bucket_mb * 2**20,
-         f"FedAvg buckets of {w.bucket_mb:g} MiB, two in flight", "Workload.bucket_mb"),
         ("memory_limit_bytes", memory_bytes,
          f"memory limit {format_bytes(memory_bytes)} per rank" if memory_bytes is not None
          else "memory NOT checked: no limit given, plans may not fit", "--memory-gb"),

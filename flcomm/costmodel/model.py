@@ -64,9 +64,10 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from flcomm.codecs import CODECS, get_codec
+from flcomm.codecs import get_codec
 from flcomm.comm.base import LinkTier, bus_factor, wire_bytes
-from flcomm.federated.outer import Outer
+from flcomm.federated.autotune import steps_to_hide
+from flcomm.federated.config import AUTO, FedAvgConfig
 from flcomm.federated.strategy import Strategy
 from flcomm.validate import integer, number
 
@@ -178,12 +179,10 @@ class Workload:
             issued once per unit on 1/units of the buffer, so its latency term counts that often.
         fsdp_overlap: fraction of the in-group communication hidden behind compute (prefetch);
             0 = serial (gloo on CPU), about 0.8-1 with NCCL on GPUs.
-        overlap_steps: steps of compute an overlapped FedAvg exchange can hide behind.
         state_bytes_per_param: sharded training state per parameter (bf16 params + fp32
             master + Adam: 16), used for the memory limit of recommendations.
         activation_bytes: activations one rank holds at the peak of a step (an estimate the
             caller gives; the presets state theirs).
-        bucket_mb: FedAvg's bucket size (two buckets are in flight during an exchange).
     """
 
     params: float
@@ -194,10 +193,8 @@ class Workload:
     allgathers_per_step: float = 2
     fsdp_units: int = 1
     fsdp_overlap: float = 0.0
-    overlap_steps: int = 1
     state_bytes_per_param: float = 16.0
     activation_bytes: float = 0.0
-    bucket_mb: float = 25.0
 
     def __post_init__(self) -> None:
         number("params", self.params, 0, lo_open=True)
@@ -207,53 +204,63 @@ class Workload:
         integer("grad_bytes", self.grad_bytes, 1)
         number("allgathers_per_step", self.allgathers_per_step, 0)
         number("fsdp_overlap", self.fsdp_overlap, 0, 1)
-        integer("overlap_steps", self.overlap_steps, 1)
         integer("fsdp_units", self.fsdp_units, 1)
         number("state_bytes_per_param", self.state_bytes_per_param, 0, lo_open=True)
         number("activation_bytes", self.activation_bytes, 0)
-        number("bucket_mb", self.bucket_mb, 0, lo_open=True)
 
 
 @dataclass(frozen=True)
 class Plan:
     """A strategy and its knobs. ``group_size`` (G) and ``shard_size`` (S) default to the
-    strategy's (:meth:`Strategy.topology`); ``fragments`` (K, streaming: 1/K of the shard every
-    E/K steps) and ``sharded_exchange`` (FL+HSDP: each replica averages 1/R of the shard over the
-    groups, then the replicas all-gather; None = on when R > 1) shape the exchange; ``sync_every`` (E),
-    ``codec`` and ``overlap`` apply to the FedAvg exchange; ``hierarchical`` makes in-group
-    collectives that span nodes go intra-node first."""
+    strategy's (:meth:`Strategy.topology`); ``fedavg`` is the FedAvg exchange's
+    :class:`~flcomm.federated.config.FedAvgConfig` (the same object FedAvg takes: E, the codec,
+    overlap k, fragments K, the sharded FL+HSDP exchange, the buffers it keeps), ignored by fsdp
+    and hsdp; ``hierarchical`` makes in-group collectives that span nodes go intra-node first."""
 
     strategy: Strategy | str
     group_size: int | None = None
     shard_size: int | None = None
-    sync_every: int = 1
-    codec: str = "none"
-    overlap: bool = False
+    fedavg: FedAvgConfig = field(default_factory=FedAvgConfig)
     hierarchical: bool = False
-    error_feedback: bool = False
-    outer: str = "avg"
-    fragments: int = 1
-    sharded_exchange: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", Strategy.parse(self.strategy))
-        object.__setattr__(self, "outer", Outer.parse(self.outer).value)
-        integer("fragments", self.fragments, 1)
-        if self.sync_every % self.fragments:
-            raise ValueError(f"fragments (K) must divide sync_every={self.sync_every}, got {self.fragments}")
-        integer("sync_every", self.sync_every, 1)
-        if self.codec not in CODECS:
-            raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
+        if not isinstance(self.fedavg, FedAvgConfig):
+            raise TypeError(f"fedavg must be a FedAvgConfig, got {type(self.fedavg).__name__}")
         for name in ("group_size", "shard_size"):
             v = getattr(self, name)
             if v is not None:
                 integer(name, v, 1)
 
+    # NOTE: read-only views of the FedAvg settings the formulas use
+    sync_every = property(lambda self: self.fedavg.sync_every)
+    codec = property(lambda self: self.fedavg.codec)
+    overlap = property(lambda self: self.fedavg.overlap)
+    error_feedback = property(lambda self: self.fedavg.error_feedback)
+    outer = property(lambda self: self.fedavg.outer)
+    fragments = property(lambda self: self.fedavg.fragments)
+    sharded_exchange = property(lambda self: self.fedavg.sharded_exchange)
+
+    def with_fedavg(self, **settings: Any) -> Plan:
+        """This plan with FedAvg settings replaced."""
+        return replace(self, fedavg=FedAvgConfig.make(self.fedavg, **settings))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"strategy": self.strategy.value, "group_size": self.group_size, "shard_size": self.shard_size,
+                "fedavg": self.fedavg.to_dict(), "hierarchical": self.hierarchical}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """The plan of a :meth:`to_dict` record."""
+        return cls(d["strategy"], d.get("group_size"), d.get("shard_size"), FedAvgConfig.from_dict(d["fedavg"]),
+                   bool(d.get("hierarchical", False)))
+
     def label(self) -> str:
         s = self.strategy.value
         if self.strategy.federated:
+            k = self.fedavg.overlap_steps
             s += f" G={self.group_size} E={self.sync_every} {self.codec}" + ("+ef" if self.error_feedback else "")
-            s += (" nesterov" if self.outer == "nesterov" else "") + (" overlap" if self.overlap else "")
+            s += (" nesterov" if self.outer == "nesterov" else "") + (f" ovl={k}" if self.overlap else "")
             s += f" frag={self.fragments}" if self.fragments > 1 else ""
             s += " unsharded" if self.sharded_exchange is False and self.strategy.hybrid else ""
         if self.strategy.hybrid:
@@ -292,7 +299,7 @@ class Prediction:
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["plan"] = {**asdict(self.plan), "strategy": self.plan.strategy.value}
+        d["plan"] = self.plan.to_dict()
         d["label"] = self.plan.label()
         return d
 
@@ -384,25 +391,20 @@ def _resolve(plan: Plan, cluster: Cluster) -> tuple[int, int]:
     return topo.group_size, topo.shard_size
 
 
-def fedavg_shard_copies(plan: Plan, *, residual_dtype: str = "fp32", offload: str | None = None) -> float:
-    """Full-size fp32 copies of a rank's shard that FedAvg keeps on the device for ``plan``
-    (besides its buckets): none in the paper's mode (codec none, outer avg, no overlap, no error
-    feedback: averaged in place, bucket by bucket); otherwise the anchor, plus the error-feedback
-    residual (half a copy with ``residual_dtype="bf16"``), the outer momentum (nesterov) and the
-    own delta (overlap) where the plan has them; none with ``offload="cpu"`` (all in host
-    memory). This is the accounting of :meth:`flcomm.federated.fedavg.FedAvg.memory_stats`
-    (``tests/dist/test_fedavg_engine.py`` ties the two; ``bench/memory.py`` measures it)."""
-    if residual_dtype not in ("fp32", "bf16"):
-        raise ValueError(f"residual_dtype must be 'fp32' or 'bf16', got {residual_dtype!r}")
-    if offload not in (None, "cpu"):
-        raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
-    if not plan.strategy.federated or offload is not None:
+def fedavg_shard_copies(plan: Plan, *, on_device: bool = True) -> float:
+    """Full-size fp32 copies of a rank's shard that FedAvg keeps for ``plan`` (besides its
+    buckets): none in the paper's mode (codec none, outer avg, no overlap, no error feedback:
+    averaged in place, bucket by bucket); otherwise the anchor, plus the error-feedback residual
+    (half a copy with ``residual_dtype="bf16"``), the outer momentum (nesterov) and the own delta
+    (overlap) where the plan has them. ``on_device``: only what stays on the device (none with
+    ``offload="cpu"``: all in host memory). This is the accounting of
+    :meth:`flcomm.federated.fedavg.FedAvg.memory_stats` (``tests/dist/test_fedavg_engine.py``
+    ties the two; ``bench/memory.py`` measures it)."""
+    cfg = plan.fedavg
+    if not plan.strategy.federated or cfg.in_place or (on_device and cfg.offload is not None):
         return 0.0
-    nesterov = plan.outer == "nesterov"
-    if plan.codec == "none" and not (nesterov or plan.overlap or plan.error_feedback):
-        return 0.0
-    residual = (0.5 if residual_dtype == "bf16" else 1.0) * plan.error_feedback
-    return 1.0 + residual + nesterov + plan.overlap
+    residual = (0.5 if cfg.residual_dtype == "bf16" else 1.0) * cfg.error_feedback
+    return 1.0 + residual + (cfg.outer == "nesterov") + cfg.overlap
 
 
 def memory_per_rank(workload: Workload, plan: Plan, shard_size: int) -> dict[str, float]:
@@ -419,7 +421,7 @@ def memory_per_rank(workload: Workload, plan: Plan, shard_size: int) -> dict[str
     N, S = workload.params, shard_size
     fed = 0.0
     if plan.strategy.federated:
-        fed = fedavg_shard_copies(plan) * 4 * N / S + 2 * workload.bucket_mb * 2**20
+        fed = fedavg_shard_copies(plan) * 4 * N / S + 2 * plan.fedavg.bucket_mb * 2**20
     return {"state": workload.state_bytes_per_param * N / S,
             "unsharded": N / workload.fsdp_units * (2 * workload.param_bytes + workload.grad_bytes),
             "fedavg": fed, "activations": workload.activation_bytes}
@@ -451,6 +453,15 @@ def _exchange(cluster: Cluster, plan: Plan, N: float, G: int, S: int, F: int, R:
     return t
 
 
+def overlap_steps(cfg: FedAvgConfig, exchange_s: float, compute_s: float) -> int:
+    """The k an overlapped exchange of ``exchange_s`` seconds gets behind steps of ``compute_s``:
+    the config's, or for ``"auto"`` the one FedAvg settles on
+    (:func:`flcomm.federated.autotune.steps_to_hide`, with k at most E / K)."""
+    if cfg.overlap_steps != AUTO:
+        return int(cfg.overlap_steps)
+    return steps_to_hide(exchange_s, compute_s, cfg.sync_every // cfg.fragments)
+
+
 def predict(cluster: Cluster, workload: Workload, plan: Plan) -> Prediction:
     """Predict one step of ``plan``.
 
@@ -463,7 +474,7 @@ def predict(cluster: Cluster, workload: Workload, plan: Plan) -> Prediction:
       3. FL: one FedAvg exchange = all-reduce of the codec's encoding of the N / S shard over F
          groups (stride G, inter-group link), amortized over E steps (:func:`_exchange`: K
          fragments, the sharded FL+HSDP exchange); with overlap only what does not fit behind
-         ``overlap_steps`` steps of compute is exposed;
+         k steps of compute is exposed (:func:`overlap_steps`: ``"auto"`` as FedAvg chooses it);
       4. step = compute + inner - hidden inner + exposed exchange / E;
       5. memory per rank: :func:`memory_per_rank`.
     """
@@ -490,7 +501,7 @@ def predict(cluster: Cluster, workload: Workload, plan: Plan) -> Prediction:
     fed = _exchange(cluster, plan, N, G, S, F, R, per_step) if F > 1 else 0.0
     c = workload.compute_s
     hidden = min(workload.fsdp_overlap * inner, c)
-    fed_exposed = max(0.0, fed - workload.overlap_steps * c) if plan.overlap else fed
+    fed_exposed = max(0.0, fed - overlap_steps(plan.fedavg, fed, c) * c) if plan.overlap else fed
     # NOTE: K fragments: an exchange of 1/K of the shard every E/K steps
     step = c + inner - hidden + fed_exposed * plan.fragments / plan.sync_every
     plan = replace(plan, group_size=G if plan.strategy.federated else None,
@@ -503,8 +514,7 @@ def predict(cluster: Cluster, workload: Workload, plan: Plan) -> Prediction:
 
 
 def predict_strategies(cluster: Cluster, workload: Workload, group_size: int | None = None,
-                       shard_size: int | None = None, sync_every: int = 8, codec: str = "none",
-                       overlap: bool = False, hierarchical: bool = False,
+                       shard_size: int | None = None, fedavg: FedAvgConfig | None = None, hierarchical: bool = False,
                        hsdp_group_size: int | None = None) -> list[Prediction]:
     """FSDP, HSDP, FL+FSDP and FL+HSDP with one set of knobs, as the driver would run them:
     ``group_size`` (G) for both FL strategies (FL+HSDP: ``hsdp_group_size`` when given),
@@ -513,9 +523,8 @@ def predict_strategies(cluster: Cluster, workload: Workload, group_size: int | N
     one replica) is left out."""
     plans = [Plan(Strategy.FSDP, hierarchical=hierarchical),
              Plan(Strategy.HSDP, shard_size=shard_size, hierarchical=hierarchical),
-             Plan(Strategy.FL_FSDP, group_size, None, sync_every, codec, overlap, hierarchical),
-             Plan(Strategy.FL_HSDP, hsdp_group_size or group_size, shard_size, sync_every, codec, overlap,
-                  hierarchical)]
+             Plan(Strategy.FL_FSDP, group_size, None, fedavg or FedAvgConfig(), hierarchical),
+             Plan(Strategy.FL_HSDP, hsdp_group_size or group_size, shard_size, fedavg or FedAvgConfig(), hierarchical)]
     out = []
     for plan in plans:
         try:

@@ -5,7 +5,6 @@ and the recommended plan with the same plan at other E (:func:`sync_every_sweep`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from flcomm.comm.base import format_bytes
@@ -14,7 +13,7 @@ from flcomm.costmodel.model import Cluster, Prediction, Strategy, Workload, pred
 __all__ = ["SWEEP_E", "Row", "format_table", "ratio", "row_record", "sync_every_sweep"]
 
 SWEEP_E = (1, 2, 4, 8, 16)  # the E of the sweep beside the recommended plan (and its own E)
-_HDR = (f"{'plan':<38} {'step s':>9} {'exposed s':>9} {'tokens/s':>11} {'vs FSDP':>8} {'vs HSDP':>8} "
+_HDR = (f"{'plan':<44} {'step s':>9} {'exposed s':>9} {'tokens/s':>11} {'vs FSDP':>8} {'vs HSDP':>8} "
         f"{'inter-node/step':>15} {'inter-group/step':>16} {'mem/rank':>10}")
 
 Row = tuple[str, Prediction]  # (mark: "" or "*", prediction)
@@ -37,7 +36,7 @@ def _mem(p: Prediction, memory_bytes: float | None) -> str:
 def _line(mark: str, p: Prediction, fsdp: Prediction | None, hsdp: Prediction | None,
           memory_bytes: float | None) -> str:
     label = f"{mark or ' '} {p.plan.label()}"
-    return (f"{label:<38} {p.step_time_s:9.4g} {p.exposed_comm_s:9.4g} {p.tokens_per_s:11.4g} "
+    return (f"{label:<44} {p.step_time_s:9.4g} {p.exposed_comm_s:9.4g} {p.tokens_per_s:11.4g} "
             f"{_x(ratio(fsdp, p)):>8} {_x(ratio(hsdp, p)):>8} {format_bytes(p.internode_bytes_per_step):>15} "
             f"{format_bytes(p.intergroup_bytes_per_step):>16} {_mem(p, memory_bytes):>10}")
 
@@ -79,7 +78,7 @@ def sync_every_sweep(cluster: Cluster, wl: Workload, best: Prediction, Es: Seque
         if E == best.plan.sync_every:
             out.append(("*", best))
         elif E % best.plan.fragments == 0:
-            out.append(("", predict(cluster, wl, replace(best.plan, sync_every=E))))
+            out.append(("", predict(cluster, wl, best.plan.with_fedavg(sync_every=E))))
     return out
 
 

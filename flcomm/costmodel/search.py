@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from flcomm.codecs import get_codec
 from flcomm.comm.base import format_bytes
 from flcomm.costmodel.model import Cluster, Plan, Prediction, Strategy, Workload, predict, speedup
+from flcomm.federated.config import AUTO, FedAvgConfig
 from flcomm.validate import integer, number
 
 __all__ = ["Crossover", "Recommendation", "crossover_bandwidth_ratio", "crossover_sync_every", "recommend"]
@@ -92,7 +93,7 @@ def crossover_sync_every(cluster: Cluster, workload: Workload, plan: Plan, basel
     integer("max_sync_every", max_sync_every, 1)
 
     def s(E: int) -> float:
-        return speedup(cluster, workload, replace(plan, sync_every=E), baseline)
+        return speedup(cluster, workload, plan.with_fedavg(sync_every=E), baseline)
 
     s_lo, s_hi = s(1), s(max_sync_every)
     if s_lo >= threshold:
@@ -165,8 +166,9 @@ def recommend(cluster: Cluster, workload: Workload, *, memory_bytes: float,
                 for codec in codecs:
                     for ov in ((False, True) if allow_overlap else (False,)):
                         # NOTE: a lossy codec runs with error feedback, as it should
-                        plans.append(Plan(st, G, S if st.hybrid else None, E, codec, ov,
-                                          error_feedback=codec != "none"))
+                        fed = FedAvgConfig(sync_every=E, codec=codec, error_feedback=codec != "none",
+                                           overlap_steps=AUTO if ov else 0)
+                        plans.append(Plan(st, G, S if st.hybrid else None, fed))
     preds, too_big = [], []
     for pl in plans:
         try:

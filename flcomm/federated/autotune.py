@@ -18,11 +18,19 @@ import math
 import statistics
 import time
 
-__all__ = ["MARGIN", "SAMPLES", "AutoOverlap"]
+__all__ = ["MARGIN", "SAMPLES", "AutoOverlap", "steps_to_hide"]
 
 MARGIN = 1.25  # the exchange must fit in k steps with this much room (jitter, a slower step)
 SKIP = 1  # exchanges left out of the measurement (one-time costs)
 SAMPLES = 2  # exchanges measured before a rank proposes its k
+
+
+def steps_to_hide(exchange_s: float, step_s: float, k_max: int) -> int:
+    """The smallest k in [1, k_max] with ``k * step_s >= MARGIN * exchange_s`` (k_max for a step
+    of no time). The cost model predicts ``"auto"`` with it too."""
+    if step_s <= 0:
+        return k_max
+    return max(1, min(k_max, math.ceil(MARGIN * exchange_s / step_s)))
 
 
 class AutoOverlap:
@@ -49,11 +57,6 @@ class AutoOverlap:
             self._intervals.append(now - self._last)
         self._last = now
 
-    def steps_to_hide(self, exchange_s: float, step_s: float) -> int:
-        """The smallest k in [1, k_max] with ``k * step_s >= MARGIN * exchange_s``."""
-        if step_s <= 0:
-            return self.k_max
-        return max(1, min(self.k_max, math.ceil(MARGIN * exchange_s / step_s)))
 
     def sample(self, exchange_s: float) -> int | None:
         """An exchange was applied on time, after ``exchange_s`` seconds of work; returns this
@@ -66,7 +69,7 @@ class AutoOverlap:
         self._samples.append((exchange_s, statistics.median(intervals) if intervals else 0.0))
         if len(self._samples) < SAMPLES:
             return None
-        return max(self.steps_to_hide(x, s) for x, s in self._samples)
+        return max(steps_to_hide(x, s, self.k_max) for x, s in self._samples)
 
     def settle(self, k: int) -> None:
         """Use ``k`` from now on (the world's agreed choice, or a checkpoint's)."""

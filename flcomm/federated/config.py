@@ -53,8 +53,8 @@ class FedAvgConfig:
     sync_every: int = _setting(8, "E: local steps between syncs", "paper")
     codec: str = _setting("none", f"wire codec of the exchange: {', '.join(CODECS)} (a Codec object is "
                                   "kept as given)")
-    block_size: int | None = _setting(None, "elements per scale of the int8 / fp8 codecs (default: the "
-                                            "codec's own)")
+    block_size: int | None = _setting(None, "elements per scale of the int8 / fp8 codecs (None: the codec's "
+                                            "own, 256)")
     error_feedback: bool = _setting(False, "keep what the codec dropped and add it to the next round's delta")
     outer: str = _setting("avg", f"outer update: {', '.join(Outer.values())} (avg: the paper's plain "
                                  "average; nesterov: DiLoCo's SGD with Nesterov momentum)", "paper / DiLoCo")
@@ -190,8 +190,9 @@ class FedAvgConfig:
         for f in fields(cls):
             flag, value, help_ = "--" + f.name.replace("_", "-"), getattr(d, f.name), f.metadata["help"]
             if f.type in ("bool", "bool | None"):
+                # NOTE: argparse shows a switch's default itself, except None
                 group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=value,
-                                   help=help_)
+                                   help=help_ + (" (default: None)" if value is None else ""))
             elif f.name == "overlap_steps":
                 group.add_argument(flag, dest=f.name, type=_overlap_steps, default=value,
                                    help=help_ + " (default: %(default)s)")

@@ -325,6 +325,7 @@ def test_resume_with_other_fedavg_settings_is_refused_before_launch(scenario, tm
     # meta.json records what every rank's state file saved as FedAvg's config
     rank_cfg = torch.load(os.path.join(path, "rank0.state.pt"), weights_only=True)["fed"]["config"]
     assert ckpt.read_meta(path)["fedavg"] == rank_cfg and rank_cfg["outer"] == "avg"
+    assert FedAvgConfig.from_dict(rank_cfg) == BASE["fedavg"]  # the run's config, round-tripped
 
     def no_ranks(*_: object, **__: object) -> None:
         raise AssertionError("a rank was started")

@@ -199,20 +199,21 @@ def test_memory_stats_match_the_cost_models_shard_copies(memory_results, name):
     at most two buckets (the cost model's bucket term)."""
     from flcomm.codecs import get_codec
     from flcomm.costmodel import Plan, fedavg_shard_copies
+    from flcomm.federated.config import FedAvgConfig
 
     kw = dict(MEM_MODES[name])
-    extra = {k: kw.pop(k) for k in ("residual_dtype", "offload") if k in kw}
-    plan = Plan("fl-fsdp", 1, **kw)
+    extra = {k: kw[k] for k in ("residual_dtype", "offload") if k in kw}
+    plan = Plan("fl-fsdp", 1, fedavg=FedAvgConfig(sync_every=1, **kw))
     for r in memory_results:
         s = r["stats"][name]
         m, shard = s["mem"], s["mem"]["shard_fp32"]
         full = m["anchor"] + m["own"] + m["momentum"] + m["residual"]
-        want = fedavg_shard_copies(plan, residual_dtype=extra.get("residual_dtype", "fp32")) * shard
+        want = fedavg_shard_copies(plan, on_device=False) * shard
         res_bytes = 2 if extra.get("residual_dtype") == "bf16" else 4
         slack = s["buckets"] * s["world"] * get_codec(kw.get("codec", "none")).align_numel * res_bytes
         assert want <= full <= want + slack, (name, full / shard, want / shard)
         on_device = m["device"] - m["flags"] - m["staging"]
-        want_dev = fedavg_shard_copies(plan, **extra) * shard
+        want_dev = fedavg_shard_copies(plan) * shard
         assert want_dev <= on_device <= want_dev + (0 if "offload" in extra else slack), (name, m)
         # NOTE: against what is allocated: the storages behind the buffers (one per kind), and the
         # model's own sizes for the anchor, own delta and momentum

@@ -3,10 +3,10 @@ CLI (``--measure`` on gloo is in tests/dist/test_costmodel_measure.py)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
-from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from flcomm import costmodel as cm
 from flcomm.costmodel import Cluster, Link, Plan, Strategy, Workload, codec_nbytes, predict
+from flcomm.federated.config import FedAvgConfig
 
 # 2 nodes x 2 ranks; intra 1 GB/s per rank, 10 us; inter 100 MB/s per node, 100 us.
 AI, BI, AE, BE = 1e-5, 1e9, 1e-4, 1e8
@@ -87,7 +88,8 @@ def test_fl_fsdp_int8_matches_hand_formula(overlap: bool):
     rs = AI + 0.5 * 4e6 / BI
     enc = _a16(500_000) + _a16(4 * math.ceil(500_000 / 256))  # int8 payload + fp32 scale per 256-block
     fed = 2 * AE + 2 * 0.5 * enc / (BE / 2)       # all-reduce over F = 2 groups, NIC shared by 2
-    p = predict(cluster(), workload(), Plan("fl-fsdp", group_size=2, sync_every=4, codec="int8", overlap=overlap))
+    fed_cfg = FedAvgConfig(sync_every=4, codec="int8", overlap_steps=int(overlap))
+    p = predict(cluster(), workload(), Plan("fl-fsdp", group_size=2, fedavg=fed_cfg))
     assert p.fed_comm_s == pytest.approx(fed, rel=1e-12)
     exposed = max(0.0, fed - 0.1) if overlap else fed
     assert p.step_time_s == pytest.approx(0.1 + 2 * ag + rs + exposed / 4, rel=1e-12)
@@ -104,8 +106,8 @@ def test_fl_hsdp_and_units_and_overlap_formula():
     ar = 2 * AE + 2 * 0.5 * (2e6 / U) / (BE / 2)
     inner = U * (2 * ag + rs + ar)
     fed = 2 * AE + 2 * 0.5 * codec_nbytes("bf16", 500_000) / (BE / 2)
-    p = predict(c, wl, Plan("fl-hsdp", group_size=4, shard_size=2, sync_every=2, codec="bf16",
-                            sharded_exchange=False))
+    p = predict(c, wl, Plan("fl-hsdp", group_size=4, shard_size=2,
+                            fedavg=FedAvgConfig(sync_every=2, codec="bf16", sharded_exchange=False)))
     assert p.inner_comm_s == pytest.approx(inner, rel=1e-12)
     assert p.step_time_s == pytest.approx(0.1 + inner - min(0.5 * inner, 0.1) + fed / 2, rel=1e-12)
 
@@ -119,11 +121,11 @@ def test_sharded_fl_hsdp_exchange_formula():
     enc = codec_nbytes("bf16", 250_000)                    # half of the 500k-element shard
     ar = 2 * AE + 2 * 1.0 * enc / BE                        # F = 2, two groups share each NIC
     ag = AE + 2 * 0.5 * (2 * enc) / BE                      # R = 2 at stride 2, the encoded shard
-    plan = Plan("fl-hsdp", group_size=4, shard_size=2, sync_every=2, codec="bf16")
+    plan = Plan("fl-hsdp", group_size=4, shard_size=2, fedavg=FedAvgConfig(sync_every=2, codec="bf16"))
     p = predict(c, workload(), plan)
     assert p.fed_comm_s == pytest.approx(ar + ag, rel=1e-12)
-    plain = predict(c, workload(), Plan("fl-hsdp", group_size=4, shard_size=2, sync_every=2, codec="bf16",
-                                        sharded_exchange=False))
+    plain = predict(c, workload(), Plan("fl-hsdp", group_size=4, shard_size=2,
+                                        fedavg=FedAvgConfig(sync_every=2, codec="bf16", sharded_exchange=False)))
     assert p.intergroup_bytes_per_step == pytest.approx(enc / 2)
     assert plain.intergroup_bytes_per_step == pytest.approx(2 * p.intergroup_bytes_per_step)
     # (R-1)/R of the encoded shard (2 enc), once every E = 2 steps
@@ -133,14 +135,15 @@ def test_sharded_fl_hsdp_exchange_formula():
 def test_fragments_move_a_kth_every_e_over_k_steps():
     enc = codec_nbytes("int8", 250_000)  # half of the N / S = 500k shard
     frag = 2 * AE + 2 * 0.5 * enc / (BE / 2)
-    p = predict(cluster(), workload(), Plan("fl-fsdp", group_size=2, sync_every=4, codec="int8", fragments=2))
+    p = predict(cluster(), workload(), Plan("fl-fsdp", group_size=2,
+                                            fedavg=FedAvgConfig(sync_every=4, codec="int8", fragments=2)))
     ag = AI + 0.5 * 2e6 / BI
     rs = AI + 0.5 * 4e6 / BI
     assert p.fed_comm_s == pytest.approx(frag, rel=1e-12)
     assert p.step_time_s == pytest.approx(0.1 + 2 * ag + rs + frag * 2 / 4, rel=1e-12)
     assert p.intergroup_bytes_per_step == pytest.approx(enc * 2 / 4)
     with pytest.raises(ValueError, match="fragments .K. must divide sync_every=4, got 3"):
-        Plan("fl-fsdp", sync_every=4, fragments=3)
+        Plan("fl-fsdp", fedavg=FedAvgConfig(sync_every=4, fragments=3))
 
 
 def _a16(n: int) -> int:
@@ -159,9 +162,9 @@ def test_codec_bytes_are_the_wire_layout():
 
 plans = st.sampled_from([
     Plan("fsdp"), Plan("hsdp"), Plan("fsdp", hierarchical=True),
-    Plan("fl-fsdp", group_size=2, sync_every=4, codec="none"),
-    Plan("fl-fsdp", group_size=4, sync_every=2, codec="int8", overlap=True),
-    Plan("fl-hsdp", group_size=4, shard_size=2, sync_every=8, codec="bf16"),
+    Plan("fl-fsdp", group_size=2, fedavg=FedAvgConfig(sync_every=4, codec="none")),
+    Plan("fl-fsdp", group_size=4, fedavg=FedAvgConfig(sync_every=2, codec="int8", overlap_steps=1)),
+    Plan("fl-hsdp", group_size=4, shard_size=2, fedavg=FedAvgConfig(sync_every=8, codec="bf16")),
 ])
 
 
@@ -179,12 +182,14 @@ def test_step_time_never_grows_with_inter_bandwidth(plan: Plan, be: float, facto
 @given(E=st.integers(1, 64), be=st.floats(1e6, 1e10))
 def test_fl_step_time_falls_with_E_and_lighter_codecs(E: int, be: float):
     c, wl = cluster(nodes=4, be=be), workload()
-    t = {codec: predict(c, wl, Plan("fl-fsdp", group_size=2, sync_every=E, codec=codec)).step_time_s
+    t = {codec: predict(c, wl, Plan("fl-fsdp", group_size=2,
+                                    fedavg=FedAvgConfig(sync_every=E, codec=codec))).step_time_s
          for codec in ("none", "bf16", "int8")}
     assert t["int8"] <= t["bf16"] <= t["none"]
-    later = predict(c, wl, Plan("fl-fsdp", group_size=2, sync_every=E + 1)).step_time_s
+    later = predict(c, wl, Plan("fl-fsdp", group_size=2, fedavg=FedAvgConfig(sync_every=E + 1))).step_time_s
     assert later <= t["none"]
-    overlapped = predict(c, wl, Plan("fl-fsdp", group_size=2, sync_every=E, overlap=True)).step_time_s
+    overlapped = predict(c, wl, Plan("fl-fsdp", group_size=2,
+                                     fedavg=FedAvgConfig(sync_every=E, overlap_steps=1))).step_time_s
     assert overlapped <= t["none"]
 
 
@@ -193,7 +198,7 @@ def test_fl_speedup_shrinks_as_inter_links_get_faster():
     # beyond that FSDP is intra-bound while the exchange still speeds up, and with latency the
     # ratio of the latency floors (FSDP's longer rings) also moves it.
     c = Cluster(8, 2, Link(BI, 0.0), Link(BE, 0.0))
-    wl, pl = workload(), Plan("fl-fsdp", group_size=2, sync_every=8, codec="int8")
+    wl, pl = workload(), Plan("fl-fsdp", group_size=2, fedavg=FedAvgConfig(sync_every=8, codec="int8"))
     s = [cm.speedup(c.scale_inter(f), wl, pl) for f in (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)]
     assert all(a >= b for a, b in zip(s, s[1:])), s
     assert s[0] > 2
@@ -203,7 +208,7 @@ def test_fl_speedup_shrinks_as_inter_links_get_faster():
 
 def test_bandwidth_crossover_is_where_speedup_equals_threshold():
     c, wl = cluster(nodes=8), workload()
-    pl = Plan("fl-fsdp", group_size=2, sync_every=8, codec="int8")
+    pl = Plan("fl-fsdp", group_size=2, fedavg=FedAvgConfig(sync_every=8, codec="int8"))
     thr = 1.5
     x = cm.crossover_bandwidth_ratio(c, wl, pl, "fsdp", threshold=thr)
     assert x.value is not None
@@ -220,12 +225,12 @@ def test_bandwidth_crossover_is_where_speedup_equals_threshold():
 
 def test_sync_every_crossover_is_the_smallest_paying_E():
     c, wl = cluster(nodes=8, be=1e7), workload(compute_s=0.01)
-    pl = Plan("fl-fsdp", group_size=2, codec="none")
+    pl = Plan("fl-fsdp", group_size=2, fedavg=FedAvgConfig(sync_every=1, codec="none"))
     x = cm.crossover_sync_every(c, wl, pl, "fsdp", threshold=1.2)
     E = int(x.value)
     assert E > 1
-    assert cm.speedup(c, wl, Plan("fl-fsdp", group_size=2, sync_every=E), "fsdp") >= 1.2
-    assert cm.speedup(c, wl, Plan("fl-fsdp", group_size=2, sync_every=E - 1), "fsdp") < 1.2
+    assert cm.speedup(c, wl, Plan("fl-fsdp", group_size=2, fedavg=FedAvgConfig(sync_every=E)), "fsdp") >= 1.2
+    assert cm.speedup(c, wl, Plan("fl-fsdp", group_size=2, fedavg=FedAvgConfig(sync_every=E - 1)), "fsdp") < 1.2
     with pytest.raises(ValueError, match="fl-fsdp / fl-hsdp, got fsdp"):
         cm.crossover_sync_every(c, wl, Plan("fsdp"))
 
@@ -261,13 +266,15 @@ def test_memory_per_rank_formula():
     """N = 1e6 on 2 nodes x 2: int8 + error feedback + nesterov + overlap keeps four fp32 copies of
     the N / S shard (anchor, residual, momentum, own delta); the paper's mode none."""
     wl = workload(fsdp_units=4, activation_bytes=123.0)
-    full = Plan("fl-fsdp", 2, None, 4, "int8", overlap=True, error_feedback=True, outer="nesterov")
+    full = Plan("fl-fsdp", group_size=2, shard_size=None,
+                fedavg=FedAvgConfig(sync_every=4, codec="int8", error_feedback=True, outer="nesterov", overlap_steps=1))
     m = predict(cluster(), wl, full).memory_bytes
-    buckets = 2 * wl.bucket_mb * 2**20
+    buckets = 2 * full.fedavg.bucket_mb * 2**20
     assert m == {"state": 16 * N / 2, "unsharded": N / 4 * (2 * 2 + 4), "fedavg": 4 * 4 * N / 2 + buckets,
                  "activations": 123.0}
     assert cm.fedavg_shard_copies(full) == 4
-    assert cm.fedavg_shard_copies(Plan("fl-fsdp", 2, codec="int8", error_feedback=True)) == 2
+    assert cm.fedavg_shard_copies(Plan("fl-fsdp", group_size=2,
+                                       fedavg=FedAvgConfig(sync_every=1, codec="int8", error_feedback=True))) == 2
     assert cm.fedavg_shard_copies(Plan("fl-fsdp", 2)) == 0  # in place, bucket by bucket
     assert predict(cluster(), wl, Plan("fl-fsdp", 2)).memory_bytes["fedavg"] == buckets
     assert predict(cluster(), wl, Plan("fsdp")).memory_bytes["fedavg"] == 0
@@ -286,8 +293,10 @@ def test_the_paper_preset_recommends_a_plan_that_fits(tmp_path, capsys):
 
 @pytest.mark.parametrize("make, match", [
     (lambda: Plan("zero"), "strategy must be one of fsdp, hsdp, fl-fsdp, fl-hsdp, got 'zero'"),
-    (lambda: Plan("fl-fsdp", group_size=2, codec="int4"), "codec must be one of .* got 'int4'"),
-    (lambda: Plan("fl-fsdp", group_size=2, sync_every=0), "sync_every must be an integer >= 1, got 0"),
+    (lambda: Plan("fl-fsdp", group_size=2,
+                  fedavg=FedAvgConfig(sync_every=1, codec="int4")), "unknown codec 'int4'; known codecs: none"),
+    (lambda: Plan("fl-fsdp", group_size=2, fedavg=FedAvgConfig(sync_every=0)),
+     r"sync_every \(E, local steps between syncs\) must be an integer >= 1, got 0"),
     (lambda: predict(cluster(), workload(), Plan("fl-fsdp", group_size=4)), "at least two federation groups"),
     (lambda: predict(cluster(nodes=3), workload(), Plan("fl-fsdp", group_size=4)), "does not divide world_size 6"),
     (lambda: predict(cluster(), workload(), Plan("hsdp", shard_size=4)), "at least two replicas per group"),
@@ -415,8 +424,8 @@ def test_assumptions_name_each_default_and_json_carries_them(tmp_path, capsys):
     a = rec["assumptions"]
     wl = _question_workload()
     expected = {"compute_s": wl.compute_s, "param_bytes": 2, "grad_bytes": 2, "allgathers_per_step": 2,
-                "fsdp_units": wl.fsdp_units, "fsdp_overlap": 0.8, "overlap_steps": 1, "state_bytes_per_param": 16,
-                "activation_bytes": wl.activation_bytes, "bucket_bytes": 25 * 2**20, "memory_limit_bytes": 80e9,
+                "fsdp_units": wl.fsdp_units, "fsdp_overlap": 0.8, "state_bytes_per_param": 16,
+                "activation_bytes": wl.activation_bytes, "memory_limit_bytes": 80e9,
                 "intra_node": 400e9, "inter_node": 25e9, "inter_group": 25e9, "reduce_scatter_as_all_reduce": False,
                 "convergence": None}
     assert set(a) == set(expected)
@@ -516,7 +525,7 @@ def test_the_recommended_plan_is_a_row_with_its_ratios_and_an_e_sweep(tmp_path, 
     text, rec = _ask(tmp_path, capsys, "--recommend", "--memory-gb", "80")
     wl = _question_workload()
     r = rec["recommendation"]
-    plan = Plan(**r["best"]["plan"])
+    plan = Plan.from_dict(r["best"]["plan"])
     fsdp, hsdp = predict(Q_CLUSTER, wl, Plan("fsdp")), predict(Q_CLUSTER, wl, Plan("hsdp"))
     best = predict(Q_CLUSTER, wl, plan)
     assert r["best"]["vs_fsdp"] == pytest.approx(fsdp.step_time_s / best.step_time_s, rel=1e-12)
@@ -525,9 +534,9 @@ def test_the_recommended_plan_is_a_row_with_its_ratios_and_an_e_sweep(tmp_path, 
     for base in (fsdp, hsdp):
         assert f" {base.step_time_s / best.step_time_s:.2f}x " in row
     sweep = r["sync_every_sweep"]
-    assert [x["plan"]["sync_every"] for x in sweep] == sorted({1, 2, 4, 8, 16, plan.sync_every})
+    assert [x["plan"]["fedavg"]["sync_every"] for x in sweep] == sorted({1, 2, 4, 8, 16, plan.sync_every})
     for x in sweep:
-        p = predict(Q_CLUSTER, wl, replace(plan, sync_every=x["plan"]["sync_every"]))
+        p = predict(Q_CLUSTER, wl, plan.with_fedavg(sync_every=x["plan"]["fedavg"]["sync_every"]))
         assert x["step_time_s"] == pytest.approx(p.step_time_s, rel=1e-12)
         assert x["vs_fsdp"] == pytest.approx(fsdp.step_time_s / p.step_time_s, rel=1e-12)
         assert any(line[2:].startswith(p.plan.label() + " ") for line in text.splitlines())
@@ -547,6 +556,8 @@ def test_help_shows_every_default(monkeypatch, capsys):
 
     def start(act) -> str:
         opt = act.option_strings[0]
+        if isinstance(act, argparse.BooleanOptionalAction):  # NOTE: --flag, --no-flag
+            return ", ".join(act.option_strings)
         if act.nargs == 0:
             return f"{opt} {act.help.split()[0]}"
         return f"{opt} {{" if act.choices else f"{opt} {act.metavar or act.dest.upper()}"
@@ -558,8 +569,8 @@ def test_help_shows_every_default(monkeypatch, capsys):
                  "tflops", "json", "measure_json", "preset"}
     for act, a, b in zip(acts, pos, [*pos[1:], len(helptext)]):
         entry = helptext[a:b]
-        if act.default is False:
-            continue  # a switch
+        if act.default is False or (act.nargs == 0 and not isinstance(act, argparse.BooleanOptionalAction)):
+            continue  # a switch (--overlap sets --overlap-steps, whose default is shown)
         if act.default is None:
             assert "(default:" in entry or act.dest in must_give, entry
         else:
@@ -588,3 +599,16 @@ def test_a_measured_gloo_cluster_assumes_no_fsdp_overlap_and_says_measured(tmp_p
 def test_zero_layers_or_units_are_refused_not_estimated(flag, message, capsys):
     assert cm.main([*QUESTION, flag, "0"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_auto_overlap_is_predicted_with_the_k_fedavg_would_choose():
+    """``overlap_steps="auto"``: the prediction of the k FedAvg settles on, the smallest k with
+    k * compute >= 1.25 * exchange (at most E / K), written out here."""
+    c, wl = cluster(), workload()
+    for E, K in ((8, 1), (8, 2), (2, 1)):
+        auto = predict(c, wl, Plan("fl-fsdp", group_size=2, fedavg=FedAvgConfig(sync_every=E, codec="int8",
+                                                                                overlap_steps="auto", fragments=K)))
+        k = max(1, min(E // K, math.ceil(1.25 * auto.fed_comm_s / wl.compute_s)))
+        fixed = predict(c, wl, Plan("fl-fsdp", group_size=2, fedavg=FedAvgConfig(sync_every=E, codec="int8",
+                                                                                 overlap_steps=k, fragments=K)))
+        assert auto.step_time_s == fixed.step_time_s, (E, K, k)

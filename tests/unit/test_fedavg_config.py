@@ -1,5 +1,6 @@
-"""FedAvgConfig, the one home of FedAvg's settings: its checks, and the command line, TrainConfig
-and the checkpoint record carrying the same object (the cost model's Plan: tests/unit/test_costmodel.py).
+"""FedAvgConfig, the one home of FedAvg's settings: its checks, and the command lines (trainer and
+cost model), TrainConfig, the cost model's Plan and the checkpoint record carrying the same object
+(the checkpoint a run writes: tests/dist/test_checkpoint.py).
 
 The references: the dataclass's own field list (every field must have a flag, a help, a check)
 and Python's json module for the record."""
@@ -105,6 +106,12 @@ def test_cli_train_config_and_record_round_trip_one_config():
     assert cfg.fedavg == want
     record = json.loads(json.dumps(cfg.to_dict()))["fedavg"]  # what metrics and meta.json hold
     assert FedAvgConfig.from_dict(record) == want and record["in_place"] is False
+    from flcomm.costmodel import Plan
+    from flcomm.costmodel.__main__ import make_parser
+
+    assert FedAvgConfig.from_args(make_parser().parse_args(argv)) == want  # the cost model's flags
+    plan = Plan("fl-fsdp", group_size=2, fedavg=want)
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
     assert _parse(["--overlap"]).overlap_steps == AUTO
     assert _parse(["--overlap-steps", "auto"]).overlap_steps == AUTO
     with pytest.raises(ValueError, match=r"unknown FedAvg settings \['overlap'\]"):
