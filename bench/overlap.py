@@ -7,7 +7,8 @@ tokens) in two parts:
 1. blocking: ``FedAvg(overlap_steps=0)``; the blocking exchange time is FedAvg's exposed time per
    sync (the loop waits for all of it);
 2. compute only and overlap in turns, on one model: blocks of ``(B + 1) * E`` steps (B =
-   ``--block-syncs``) without FedAvg and with ``FedAvg(overlap_steps=k)``, C O C O
+   ``--block-syncs``) without FedAvg and with ``FedAvg(overlap_steps=k)`` (``auto``, the default:
+   the warm-up blocks run until FedAvg has chosen k, and the table shows its choice), C O C O
    ... C, ``--repeat`` overlapped blocks. An overlapped block ends with ``finish()``, untimed, so
    the exchange its last step starts does not reach into the next block; the exchanges applied
    within the block (B per block with one fragment) are what it measured. Its extra time over
@@ -54,6 +55,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+AUTO = "auto"  # overlap_steps: FedAvg chooses k (flcomm.federated.autotune)
+AUTO_WARMUP_BLOCKS = 6  # overlapped warm-up blocks at most, until "auto" has chosen
 
 
 def _build(a: argparse.Namespace, mesh: Any, codec: str, overlap: bool) -> tuple[Any, ...]:
@@ -121,14 +125,22 @@ def _interleaved(a: argparse.Namespace, mesh: Any, codec: str) -> list[dict[str,
 
     _steps(model, opt, None, tokens, a.warmup)
     overlapped()  # NOTE: warm-up: the first exchange allocates its staging and plans
+    for _ in range(AUTO_WARMUP_BLOCKS):  # NOTE: overlap_steps "auto": until it has chosen its k
+        if fed.auto_overlap is None or fed.auto_overlap.chosen is not None:
+            break
+        overlapped()
     computes = [_slowest(_steps(model, opt, None, tokens, n))]
     blocks = []
     for _ in range(a.repeat):
         o = overlapped()
         computes.append(_slowest(_steps(model, opt, None, tokens, n)))
-        blocks.append({**o, "compute_step_s": (computes[-2] + computes[-1]) / (2 * n),
+        blocks.append({**o, "k": fed.overlap_steps, "compute_step_s": (computes[-2] + computes[-1]) / (2 * n),
                        "compute_around_s": [computes[-2] / n, computes[-1] / n], "steps": n})
     return blocks
+
+
+def _k(text: str) -> int | str:
+    return AUTO if text == AUTO else int(text)
 
 
 def _slowest(x: float) -> float:
@@ -159,6 +171,7 @@ def summarize(a: argparse.Namespace, codec: str, blk: dict[str, float],
               blocks: list[dict[str, float]]) -> dict[str, Any]:
     """One codec's row from its blocking phase and its overlapped blocks (module docstring)."""
     exchange = blk["exchange_s"]
+    k = blocks[-1].get("k", a.overlap_steps)  # NOTE: "auto": FedAvg's choice
     reps = []
     for b in blocks:
         # NOTE: the compute-only time of the block's steps is taken out, the rest is spread over
@@ -172,14 +185,15 @@ def summarize(a: argparse.Namespace, codec: str, blk: dict[str, float],
             for k in ("compute_step_s", "overhead_per_exchange_s", "exposed_fraction", "fedavg_exposed_fraction")}
     overlap_step = mean["compute_step_s"] + mean["overhead_per_exchange_s"] * a.fragments / a.sync_every
     return {
-        "codec": codec + ("+ef" if codec != "none" else ""), "E": a.sync_every, "k": a.overlap_steps,
+        "codec": codec + ("+ef" if codec != "none" else ""), "E": a.sync_every, "k": k,
+        "k_asked": a.overlap_steps,
         "K": a.fragments, **mean, "overlap_step_s": overlap_step, "blocking_step_s": blk["step_s"],
         "blocking_exchange_s": exchange,
         "exposed_fraction_se": statistics.stdev(r["exposed_fraction"] for r in reps) / len(reps) ** 0.5
         if len(reps) > 1 else float("nan"),
         "overlap_vs_compute": overlap_step / mean["compute_step_s"],
         "overlap_vs_blocking": overlap_step / blk["step_s"],
-        "fits": exchange <= a.overlap_steps * mean["compute_step_s"],  # per exchange (one fragment's)
+        "fits": exchange <= k * mean["compute_step_s"],  # per exchange (one fragment's)
         "repeats": reps,
     }
 
@@ -245,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--group-size", type=int, default=2)
     p.add_argument("--sync-every", type=int, default=4)
-    p.add_argument("--overlap-steps", type=int, default=1)
+    p.add_argument("--overlap-steps", type=_k, default=AUTO,
+                   help="k of the overlapped blocks, or auto (FedAvg measures it; the table's k is its choice)")
     p.add_argument("--fragments", type=int, default=1, help="streaming fragments K (divides E)")
     p.add_argument("--codecs", nargs="+", default=["none", "int8"])
     p.add_argument("--model", default="small")

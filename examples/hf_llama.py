@@ -90,7 +90,7 @@ def train(args: argparse.Namespace) -> tuple[list[float], nn.Module, flcomm.FedA
     fully_shard(model, mesh=mesh.device_mesh[dims])  # embeddings (tied to lm_head), final norm
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     fed = flcomm.FedAvg(model, mesh, sync_every=args.sync_every, codec=args.codec,  # flcomm
-                        error_feedback=args.error_feedback, overlap=args.overlap)
+                        error_feedback=args.error_feedback, overlap_steps=1 if args.overlap else 0)
 
     # every rank reads its own slice of the corpus (data parallel within and across groups)
     loader = ShardedLoader(load_tokens(max_tokens=400_000), args.seq_len, args.batch_size, world, rank,
