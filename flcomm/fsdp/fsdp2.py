@@ -186,7 +186,7 @@ class ReplicateAllReduceHook:
     GradScaler to see and skip), but never stays in the residual: its entries are zeroed.
     """
 
-    def __init__(self, transport: Transport, codec: Any = None, op: Any = ReduceOp.AVG,
+    def __init__(self, transport: Transport, codec: Any = "none", op: Any = "avg",
                  error_feedback: bool = False) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a flcomm Transport, got {type(transport).__name__}")
@@ -194,7 +194,7 @@ class ReplicateAllReduceHook:
         self.op = ReduceOp.parse(op)
         self.codec = None if codec in (None, "none") else codec
         if error_feedback and self.codec is None:
-            raise ValueError("error_feedback needs a lossy codec (e.g. 'int8'), got codec=None")
+            raise ValueError(f"error_feedback needs a lossy codec (e.g. 'int8'), got codec={codec!r}")
         self.error_feedback = error_feedback
         self.residual: Tensor | None = None
 
@@ -239,8 +239,8 @@ class ReplicateAllReduceHook:
         self.residual = sd["residual"]
 
 
-def apply_all_reduce_hook(model: nn.Module, transport: Transport, *, codec: Any = None,
-                          op: Any = ReduceOp.AVG, error_feedback: bool = False) -> dict[str, ReplicateAllReduceHook]:
+def apply_all_reduce_hook(model: nn.Module, transport: Transport, *, codec: Any = "none",
+                          op: Any = "avg", error_feedback: bool = False) -> dict[str, ReplicateAllReduceHook]:
     """Give every FSDP module of ``model`` its own :class:`ReplicateAllReduceHook` on
     ``transport`` (HSDP's replicate dim, e.g. ``fed_mesh.transport("replicate")``). Returns the
     hooks by module name.
