@@ -206,7 +206,7 @@ class _Board:
 
         self.where = f"the store at {host}:{port} ({where})"
         self.error: str | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # NOTE: the SIGTERM handler may come while the main thread holds it
         self._store: Any = None
         try:
             self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S),
