@@ -136,7 +136,7 @@ def first_failure(log_dir: str, ranks: list[int]) -> tuple[int, dict | None] | N
 
 
 def blame(recs: dict[int, dict | None], now: float | None = None, host: str | None = None,
-          stale_s: float = STALE_S) -> tuple[int, dict | None, str] | None:
+          stale_s: float | None = None, ages: dict[int, float] | None = None) -> tuple[int, dict | None, str] | None:
     """Who failed first among ``recs`` (rank -> last record, None: none): (rank, record, how),
     ``how`` one of "exited", "stopped answering", "failed first", "was terminated"; None when
     no rank is to blame (module doc).
@@ -144,7 +144,9 @@ def blame(recs: dict[int, dict | None], now: float | None = None, host: str | No
     ``now`` None: every rank has settled (the launcher), so a rank still "run" is silent.
     Otherwise a "run" record is silent only when its process is gone or stopped (a record of
     ``host``, this host) or, for a watched rank (``alive`` in the record), when it was not
-    refreshed for ``stale_s``."""
+    refreshed for ``stale_s`` (default :data:`STALE_S`; ``ages``: seconds since each rank's ``alive`` last changed, as
+    the caller observed it; else ``now - alive``)."""
+    stale_s = STALE_S if stale_s is None else stale_s
     silent, errors, ended = [], [], []
     for r, rec in recs.items():
         state = rec.get("state") if rec is not None else None
@@ -155,21 +157,23 @@ def blame(recs: dict[int, dict | None], now: float | None = None, host: str | No
         elif state == "exited":
             ended.append((rec["t"], r, "was terminated"))
         elif state == "run":
-            how = _silence(rec, now, host, stale_s)
+            age = (ages or {}).get(r, now - float(rec["alive"])) if now is not None and "alive" in rec else None
+            how = _silence(rec, now, host, stale_s, age)
             if how:
                 silent.append((rec.get("alive", rec["t"]), r, how))
     pick = min(silent) if silent else min(errors) if errors else min(ended) if ended else None
     return None if pick is None else (pick[1], recs[pick[1]], pick[2])
 
 
-def _silence(rec: dict, now: float | None, host: str | None, stale_s: float) -> str:
-    """How the rank of a "run" record went silent ("exited", "stopped answering"), or ""."""
+def _silence(rec: dict, now: float | None, host: str | None, stale_s: float, age: float | None) -> str:
+    """How the rank of a "run" record went silent ("exited", "stopped answering"), or "";
+    ``age``: seconds without a beat (None: unwatched)."""
     state = process_state(int(rec["pid"])) if host is not None and rec.get("host") == host else None
     if state == "dead" or (now is None and state is None):
         return "exited"
     if state == "stopped" or now is None:
         return "stopped answering"
-    return "stopped answering" if "alive" in rec and now - float(rec["alive"]) > stale_s else ""
+    return "stopped answering" if age is not None and age > stale_s else ""
 
 
 def culprit(rank: int, rec: dict | None, how: str) -> str:
@@ -398,10 +402,15 @@ class Monitor:
         store and this host's files), waiting up to ``wait_s`` for a silent peer; "" when
         unwatched and none is found."""
         deadline = time.monotonic() + wait_s
+        seen: dict[int, tuple[float, float]] = {}  # rank -> (its alive time, when this rank first saw it)
         while True:
-            recs = self._records()
-            got = blame(recs, time.time(), self._host)
-            if (got is not None and got[2] in ("exited", "stopped answering")) or time.monotonic() >= deadline:
+            recs, now = self._records(), time.monotonic()
+            for r, rec in recs.items():
+                if r not in seen or seen[r][0] != rec.get("alive"):
+                    seen[r] = (rec.get("alive"), now)
+            # NOTE: a beat's age as seen here, not by the clocks of two hosts (they may differ)
+            got = blame(recs, time.time(), self._host, ages={r: now - s for r, (_, s) in seen.items()})
+            if (got is not None and got[2] in ("exited", "stopped answering")) or now >= deadline:
                 break
             time.sleep(0.2)
         if got is not None:
