@@ -271,8 +271,8 @@ def build_run(cfg: TrainConfig, monitor: Monitor, store: Any = None) -> Run:
               federation=federation)
     monitor.poison = lambda: _poison(model)
     if fed is not None and fed.federated:
-        # NOTE: the apply's refusal all-reduce runs inside the group, not over "fed": name it so on failure
-        fed.group_transport = monitor.noting(fed.group_transport, "in-group flags all-reduce", "group")
+        # NOTE: FedAvg agrees inside the group too (the refusal flags): a failure there names that group
+        fed.group_transport = monitor.noting(fed.group_transport, "in-group all-reduce", "group")
     if cfg.resume or cfg.rejoin:
         _resume(run)
     if cfg.rejoin:

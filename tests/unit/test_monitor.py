@@ -124,12 +124,12 @@ def test_a_noted_transport_names_the_collective_and_its_group(tmp_path):
     m = Monitor(None, 0, 4)
     m.set_groups({"group": [0, 1], "fed": [0, 2]})
     m.enter(4, "fedavg")
-    noted = m.noting(Fake(), "in-group flags all-reduce", "group")
+    noted = m.noting(Fake(), "in-group all-reduce", "group")
     assert noted.ranks == [0, 1]
     with pytest.raises(RuntimeError) as e:
         noted.all_reduce(None, op="max")
     msg = m.fail(e.value)
-    assert msg.startswith("rank 0: step 4, phase FedAvg exchange (in-group flags all-reduce), group 'group' "
+    assert msg.startswith("rank 0: step 4, phase FedAvg exchange (in-group all-reduce), group 'group' "
                           "(ranks [0, 1]): RuntimeError"), msg
     m.enter(5, "forward")
     assert m.detail is None
