@@ -210,6 +210,7 @@ class _Board:
 
         self.where = f"the store at {host}:{port} ({where})"
         self.error: str | None = None
+        self.owner: int | None = None  # the rank whose process serves the store, if one does
         self._lock = threading.RLock()  # NOTE: the SIGTERM handler may come while the main thread holds it
         self._store: Any = None
         try:
@@ -295,11 +296,13 @@ class Monitor:
     def set_groups(self, groups: dict[str, list[int]]) -> None:
         self.groups.update(groups)
 
-    def watch(self, host: str, port: int, where: str) -> None:
+    def watch(self, host: str, port: int, where: str, owner: int | None = None) -> None:
         """Decide alone who failed (no launcher gathers the reports; module doc): records also
-        go to the store at ``host:port`` (``where`` says whose it is, for the messages), and a
-        thread refreshes this rank's ``alive`` time every :data:`HEARTBEAT_S`."""
+        go to the store at ``host:port`` (``where`` says whose it is, for the messages; ``owner``:
+        the rank whose process serves it, if one does), and a thread refreshes this rank's
+        ``alive`` time every :data:`HEARTBEAT_S`."""
         self._board = _Board(host, port, where)
+        self._board.owner = owner
         self._write(self._rec.get("state", "run"))
         threading.Thread(target=self._beat, name="flcomm-heartbeat", daemon=True).start()
 
@@ -417,9 +420,11 @@ class Monitor:
             return f"culprit: {culprit(*got)}"
         if self._board is None:
             return ""
-        if self._board.error is not None:
-            return (f"the culprit could not be determined: {self._board.where} is unreachable "
-                    f"({self._board.error}), and no peer on this host stopped")
+        b = self._board
+        if b.error is not None:
+            gone = f"; rank {b.owner} serves it, so it exited or stopped answering" if b.owner is not None else ""
+            return (f"the culprit could not be determined: {b.where} is unreachable ({b.error}){gone}, "
+                    "and no peer on this host stopped")
         return f"the culprit could not be determined: every peer still answers (heartbeats within {STALE_S:.0f} s)"
 
     def _records(self) -> dict[int, dict | None]:
