@@ -160,11 +160,13 @@ def test_driver_under_two_torchrun_agents(tmp_path, rdzv_backend):
 
 
 # ---------------------------------------------------------------- faults: every survivor names the culprit
-# (strategy, action, case of bench/faults.py's PHASES, faulty rank); one kill and one freeze by default
-FAULTS = [(s, a, p, r) for s in ("fl-fsdp", "fl-hsdp")
+# (strategy, action, case of bench/faults.py's PHASES, faulty rank, rendezvous); one kill and one
+# freeze by default. With the static rendezvous rank 0's own process serves the store: it dies with it
+FAULTS = [(s, a, p, r, "c10d") for s in ("fl-fsdp", "fl-hsdp")
           for a, p, r in (("kill", "forward", 1), ("kill", "backward", 1), ("kill", "fedavg", 1),
                           ("freeze", "fedavg", 1), ("kill", "fedavg", 0))]
-FAST = {("fl-fsdp", "kill", "fedavg", 1), ("fl-hsdp", "freeze", "fedavg", 1)}
+FAULTS.append(("fl-fsdp", "kill", "fedavg", 0, "static"))
+FAST = {("fl-fsdp", "kill", "fedavg", 1, "c10d"), ("fl-hsdp", "freeze", "fedavg", 1, "c10d")}
 
 
 def _error_lines(tmp_path) -> dict[int, list[str]]:
@@ -175,15 +177,15 @@ def _error_lines(tmp_path) -> dict[int, list[str]]:
     return lines
 
 
-@pytest.mark.parametrize("strategy,action,phase,faulty", [
+@pytest.mark.parametrize("strategy,action,phase,faulty,rdzv", [
     pytest.param(*f, id="-".join(map(str, f)), marks=() if f in FAST else pytest.mark.slow) for f in FAULTS])
-def test_every_survivor_names_the_culprit(tmp_path, strategy, action, phase, faulty):
+def test_every_survivor_names_the_culprit(tmp_path, strategy, action, phase, faulty, rdzv):
     step, mphase = faults.PHASES[phase]
     survivors = [r for r in range(4) if r != faulty]
     args = [*faults.train_args(strategy, FAULT_TIMEOUT_S), "--backend", "gloo", "--log-dir", str(tmp_path / "log")]
     # NOTE: a frozen rank keeps its agent waiting (SIGTERM does nothing to a stopped process):
     # the test ends once every survivor has said its line
-    codes, _ = _agents(tmp_path, args, env={FAULT_ENV: f"{faulty}:{step}:{mphase}:{action}"},
+    codes, _ = _agents(tmp_path, args, rdzv, env={FAULT_ENV: f"{faulty}:{step}:{mphase}:{action}"},
                        wall_s=FAULT_WALL_S, until=lambda: set(survivors) <= set(_error_lines(tmp_path)))
     lines = _error_lines(tmp_path)
     out = _agent_logs(tmp_path)[-8000:]
