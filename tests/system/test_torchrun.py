@@ -35,7 +35,7 @@ import pytest
 
 from bench import faults
 from flcomm.train.metrics import read_metrics
-from flcomm.train.monitor import FAULT_ENV
+from flcomm.train.monitor import FAULT_ENV, process_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, E = 8, 2
@@ -61,8 +61,11 @@ def _tagged(tag: bytes) -> list[int]:
 
 
 def _stop(agents: list[subprocess.Popen], tag: bytes) -> list[int]:
-    """SIGTERM the agents still running (they stop their workers), then SIGKILL whatever carries
-    ``tag``. Returns the pids that were left for the SIGKILL."""
+    """SIGKILL frozen workers, SIGTERM the agents still running (they stop their workers), then
+    SIGKILL whatever carries ``tag``. Returns the pids that were left for the SIGKILL."""
+    for pid in _tagged(tag):  # NOTE: a frozen worker ignores its agent's SIGTERM, and the agent waits for it
+        if process_state(pid) == "stopped":
+            os.kill(pid, signal.SIGKILL)
     for a in agents:
         if a.poll() is None:
             a.terminate()
