@@ -136,10 +136,13 @@ def _torchrun_rank(cfg: TrainConfig) -> int:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", os.environ.get("MASTER_PORT", "run"))
     cfg = replace(cfg, log_dir=cfg.log_dir or os.path.join(tempfile.gettempdir(), f"flcomm-{run_id}"))
     mon = Monitor(cfg.log_dir, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    mon.on_sigterm()
     try:
         worker_main(cfg, monitor=mon)
     except Exception as e:  # noqa: BLE001 - one line here, the traceback in the log file
-        print(f"flcomm.train: error: {mon.message or mon.fail(e)}", file=sys.stderr, flush=True)
+        if mon.message is None:
+            mon.fail(e)
+        mon.say()
         return exit_code(e)
     return 0
 

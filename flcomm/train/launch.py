@@ -74,6 +74,11 @@ def worker_main(cfg: TrainConfig, store: Any = None, monitor: Monitor | None = N
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if store is None:
         store = _env_store(rank, world, cfg.timeout_s)
+        if monitor is not None:  # NOTE: no launcher gathers the reports: each rank finds the culprit alone
+            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+            monitor.watch(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          "torchrun's agent, on rank 0's node" if agent else "hosted by rank 0",
+                          owner=None if agent else 0)
     # NOTE: the start-up timeout until every rank has built its model (train() then sets the
     # default group's timeout to timeout_s: flcomm.train.run._startup_barrier)
     timeout = timedelta(seconds=max(cfg.timeout_s, STARTUP_TIMEOUT_S))

@@ -264,6 +264,9 @@ def build_run(cfg: TrainConfig, monitor: Monitor, store: Any = None) -> Run:
     run = Run(cfg, rank, device, topo, mesh, model, optimizer, traffic, fed, loader, held, meta, info, monitor,
               federation=federation)
     monitor.poison = lambda: _poison(model)
+    if fed is not None and fed.federated:
+        # NOTE: FedAvg agrees inside the group too (the refusal flags): a failure there names that group
+        fed.group_transport = monitor.noting(fed.group_transport, "in-group all-reduce", "group")
     if cfg.resume or cfg.rejoin:
         _resume(run)
     if cfg.rejoin:
