@@ -59,6 +59,9 @@ def _add_common(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    help="fl-hsdp: each replica exchanges 1/R of the shard, then the replicas all-gather "
                         "(default: on when there are R > 1 replicas)")
     f.add_argument("--bucket-mb", type=float, default=d.bucket_mb)
+    f.add_argument("--verify", action=argparse.BooleanOptionalAction, default=d.verify,
+                   help="after every sync, check (64-bit hashes) that the fed group and the replicas hold "
+                        "equal shards; a mismatch stops the run naming the group, its ranks and the step")
     e = p.add_argument_group("elastic federation (fl-fsdp, fl-hsdp)")
     e.add_argument("--elastic", action=argparse.BooleanOptionalAction, default=d.elastic,
                    help="a federation group that loses a rank is dropped; the others go on (docs/fault-tolerance.md)")

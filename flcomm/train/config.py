@@ -52,6 +52,7 @@ class TrainConfig:
     residual_dtype: str = "fp32"  # fp32 | bf16: the error-feedback residuals
     sharded_exchange: bool | None = None  # FL+HSDP: 1/R of the shard per replica (None: on when R > 1)
     bucket_mb: float = 25.0
+    verify: bool = False  # FedAvg's replica check after every sync (flcomm.federated.checks)
     # elastic federation (flcomm.federated.elastic)
     elastic: bool = False
     elastic_grace_s: float = 15.0

@@ -256,7 +256,7 @@ def build_run(cfg: TrainConfig, monitor: Monitor, store: Any = None) -> Run:
                      overlap=cfg.overlap, overlap_steps=cfg.overlap_steps, fragments=cfg.fragments,
                      offload=cfg.offload, residual_dtype=cfg.residual_dtype,
                      sharded_exchange=cfg.sharded_exchange, bucket_mb=cfg.bucket_mb, optimizer=optimizer,
-                     federation=federation, sync_init=not cfg.rejoin)
+                     federation=federation, sync_init=not cfg.rejoin, verify=cfg.verify)
     mcfg = cfg.model_config()
     meta = {"strategy": cfg.strategy, "topology": topo.to_dict(), "model": mcfg.to_dict(), "seed": cfg.seed,
             "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "data": data_rec}
