@@ -6,8 +6,8 @@
   ``shard`` group (and, R > 1, replicate over the ``replicate`` group, HYBRID_SHARD); a
   DistributedDataParallel module replicates over the whole federation group. Compared by the
   global ranks of the groups, not by object identity (a mesh of one's own over the same ranks
-  is fine). A plain parameter (no FSDP, no DDP) in a group of more than one rank is refused
-  unless the user says it is kept equal by other means (``replicated=True``).
+  is fine). A trainable plain parameter (no FSDP, no DDP) in a group of more than one rank is
+  refused unless the user says it is kept equal by other means (``replicated=True``).
 * :class:`StepOrder` (when FedAvg knows the optimizer): ``FedAvg.step()`` must follow
   ``optimizer.step()``; an optimizer step post-hook counts the optimizer steps.
 * :class:`ReplicaCheck` (``verify=True``): after each applied sync the ranks of the fed group
@@ -164,7 +164,7 @@ def check_sharding(model: nn.Module, mesh: FedMesh, kind: str, replicated: bool)
     for name, p in model.named_parameters():
         if is_dtensor(p):
             _check_dtensor(name, p, mesh)
-        elif id(p) not in kept and p.is_floating_point():
+        elif id(p) not in kept and p.is_floating_point() and p.requires_grad:  # NOTE: a frozen one cannot drift
             plain.append(name)
     group = mesh.group_ranks["group"]
     if plain and len(group) > 1 and not replicated:
@@ -267,7 +267,9 @@ class ReplicaCheck:
     federation group (the replicas of each shard; the plain parameters over the whole group),
     then over the fed group the hash of what the sync made equal there (the local shards after a
     blocking sync; with overlap the anchors, the sync-step average, as the local shards go on
-    training) with the first verdict, then the fed verdict over the federation group."""
+    training) with the first verdict, then the fed verdict over the federation group. The fed
+    gather is a job of the exchange's engine lane, so with overlapping fragments it waits for
+    the other fragment's exchange in flight: a debug setting, not a free one."""
 
     def __init__(self, fed: FedAvg, enabled: bool) -> None:
         self.fed = fed

@@ -68,6 +68,7 @@ def _sharding(rank: int, world: int) -> dict:
     FedAvg(make_model(0), fm2, sync_every=1, replicated=True)
     FedAvg(DDP(make_model(0), process_group=fm2.groups["group"]), fm2, sync_every=1)
     FedAvg(make_model(0), fm4, sync_every=1)
+    FedAvg(make_model(0).requires_grad_(False), fm2, sync_every=1)  # NOTE: frozen: nothing can drift
     with pytest.raises(ValueError, match=rf"DistributedDataParallel replicates over ranks \[0, 1, 2, 3\].*"
                                          rf"federation group is ranks {g2}.*fed_mesh.groups\['group'\]"):
         FedAvg(DDP(make_model(0)), fm2, sync_every=1)
