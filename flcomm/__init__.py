@@ -56,7 +56,8 @@ _LAZY = {
     "apply_all_reduce_hook": "flcomm.fsdp.fsdp2",
     "register_hierarchical_comm_hook": "flcomm.fsdp.fsdp1",
     # errors a training script may catch
-    "NonFiniteAverageError": "flcomm.federated.fedavg",
+    "NonFiniteAverageError": "flcomm.federated.checks",
+    "ReplicaMismatchError": "flcomm.federated.checks",
     "GroupLostError": "flcomm.federated.elastic",
     "TooFewGroupsError": "flcomm.federated.elastic",
     "EngineError": "flcomm.comm.engine",

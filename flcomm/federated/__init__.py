@@ -12,7 +12,8 @@ from flcomm._lazy import lazy_exports
 
 _LAZY = {
     "FedAvg": "flcomm.federated.fedavg",
-    "NonFiniteAverageError": "flcomm.federated.fedavg",
+    "NonFiniteAverageError": "flcomm.federated.checks",
+    "ReplicaMismatchError": "flcomm.federated.checks",
     "FedMesh": "flcomm.federated.topology",
     "RankCoords": "flcomm.federated.topology",
     "Topology": "flcomm.federated.topology",

@@ -72,6 +72,9 @@ class FedAvgConfig:
     residual_dtype: str = _setting("fp32", f"dtype of the error-feedback residuals: {', '.join(RESIDUAL_DTYPES)}")
     sharded_exchange: bool | None = _setting(None, "FL+HSDP: each of the R replicas exchanges 1/R of the "
                                                    "shard, then they all-gather (None: on when R > 1)")
+    verify: bool = _setting(False, "after every sync, compare 64-bit hashes of what the fed group and the "
+                                   "replicas must hold equal; a mismatch raises, naming the group, its ranks "
+                                   "and the step")
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -116,6 +119,8 @@ class FedAvgConfig:
         if self.residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(f"residual_dtype must be one of {', '.join(RESIDUAL_DTYPES)}, got "
                              f"{self.residual_dtype!r}")
+        if not isinstance(self.verify, bool):
+            raise ValueError(f"verify must be True or False, got {self.verify!r}")
         if self.sharded_exchange is not None and not isinstance(self.sharded_exchange, bool):
             raise ValueError(f"sharded_exchange must be None, True or False, got {self.sharded_exchange!r}")
 

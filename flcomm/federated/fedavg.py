@@ -53,13 +53,15 @@ Memory: :mod:`flcomm.federated.memory` (:meth:`FedAvg.memory_stats`).
 An average with NaN/Inf, or built from a non-finite delta (which a lossy codec may hide), is
 refused: at the apply, the bad ranks (and a bit for buckets whose average overflowed) are OR-ed
 over the federation group, so every rank of every group raises the same
-:class:`NonFiniteAverageError`; non-finite error-feedback residuals are zeroed. A fed group that
-saw a non-finite delta leaves its weights and anchor unchanged; other fed groups may have
+:class:`~flcomm.federated.checks.NonFiniteAverageError`; non-finite error-feedback residuals are
+zeroed. A fed group that saw a non-finite delta leaves its weights and anchor unchanged; other fed groups may have
 applied theirs, so the error is fatal (restore a checkpoint). Only floating tensors are averaged
 (see :mod:`flcomm.federated.shards` for buffers). Precision is never cut: fp64 tensors travel in
 fp64 (codec none; a lossy codec refuses them).
 
-Around it: the settings are a :class:`~flcomm.federated.config.FedAvgConfig`, checkpoints live in
+Around it: the settings are a :class:`~flcomm.federated.config.FedAvgConfig`; the model's
+sharding against the topology, the step order and the replica check (``verify``) are in
+:mod:`flcomm.federated.checks`; checkpoints live in
 :mod:`flcomm.federated.persist`; an elastic federation agrees on each round in the protocol,
 :meth:`Federation.run_round <flcomm.federated.elastic.Federation.run_round>`, with FedAvg's
 redo / restore / rebind / handover as callbacks.
@@ -79,6 +81,7 @@ from torch import Tensor, nn
 from flcomm.collectives.bucketing import StagingPool, arena, bucket_dtype
 from flcomm.comm.engine import Job, get_engine
 from flcomm.federated.autotune import AutoOverlap
+from flcomm.federated.checks import ReplicaCheck, StepOrder, check_sharding, non_finite_error
 from flcomm.federated.config import AUTO, RESIDUAL_DTYPES, FedAvgConfig, check_inputs, one_device
 from flcomm.federated.elastic import snapshot
 from flcomm.federated.exchange import DeltaExchange, ExchangeResult, replicate_transport
@@ -95,15 +98,6 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 LATE_EXCHANGES = 3  # overlap: this many exchanges in a row still running when due make FedAvg warn
-
-
-class NonFiniteAverageError(FloatingPointError):
-    """The averaged delta received from the fed group had NaN/Inf; it was not applied."""
-
-    def __init__(self, message: str, fed_ranks: list[int], bad_ranks: list[int]) -> None:
-        super().__init__(message)
-        self.fed_ranks = fed_ranks
-        self.bad_ranks = bad_ranks
 
 
 @dataclass
@@ -132,12 +126,17 @@ class FedAvg:
     Args:
         model: an FSDP2 model (sharded with a mesh inside the federation group), an FSDP1 model
             (``FullyShardedDataParallel`` at the root, process groups inside the federation
-            group) or a plain module replicated inside the group.
+            group) or a plain module replicated inside the group; the sharding must match the
+            topology (:func:`~flcomm.federated.checks.check_sharding`).
         mesh: the :class:`~flcomm.federated.topology.FedMesh` of this rank.
         config: the settings, a :class:`~flcomm.federated.config.FedAvgConfig` (its fields say
             what each one does); keyword ``settings`` replace fields of it (or of the default
             config): ``FedAvg(model, mesh, sync_every=8, codec="int8", overlap_steps="auto")``.
-        optimizer: the inner optimizer (needed by ``inner_state`` average / reset).
+        optimizer: the inner optimizer (needed by ``inner_state`` average / reset); :meth:`step` then
+            checks that it follows ``optimizer.step()`` (as with :meth:`attach`).
+        replicated: plain (not FSDP) parameters in a group of more than one rank are kept equal
+            over the group by other means (e.g. your own gradient all-reduce); else refused.
+            DistributedDataParallel over the group is recognized without it.
         federation: an elastic :class:`~flcomm.federated.elastic.Federation`: the exchange runs
             over its replaceable process groups, every round is agreed through the store, and a
             round that failed is redone among the surviving groups (:meth:`_settle`); ``mesh``
@@ -158,7 +157,7 @@ class FedAvg:
 
     def __init__(self, model: nn.Module, mesh: FedMesh, config: FedAvgConfig | None = None, *,
                  optimizer: torch.optim.Optimizer | None = None, federation: Federation | None = None,
-                 sync_init: bool = True, **settings: Any) -> None:
+                 sync_init: bool = True, replicated: bool = False, **settings: Any) -> None:
         cfg = self.config = FedAvgConfig.make(config, **settings)
         if federation is not None:
             cfg.check_elastic()
@@ -187,7 +186,9 @@ class FedAvg:
         self._frags: list[_Fragment] = []
         self._warned_slow = False
         self._outer = OuterOptimizer(self.outer_kind, cfg.outer_lr, cfg.outer_momentum)
-        self.kind, self.slots = collect_slots(model, mesh)
+        self.kind, self.slots = collect_slots(model)
+        check_sharding(model, mesh, self.kind, replicated)
+        self._order = StepOrder(optimizer)
         if self.federated:
             self._init_federated(sync_init)
         self._checkpoint = FedAvgCheckpoint(
@@ -195,6 +196,7 @@ class FedAvg:
             names=[s.name for s in self.slots], is_param=[s.is_param for s in self.slots],
             anchors=self._anchor if self.federated else None, outer=self._outer,
             exchanges=lambda: [fr.exchange for fr in self._frags])
+        self._verify = ReplicaCheck(self, cfg.verify)
 
     def _init_federated(self, sync_init: bool) -> None:
         mesh = self.mesh
@@ -286,10 +288,12 @@ class FedAvg:
                     pass
 
     # ---------------------------------------------------------------- public API
-    def step(self) -> bool:
+    def step(self, skipped: bool = False) -> bool:
         """Call once after every ``optimizer.step()``. Applies an exchange in flight when its
         ``overlap_steps`` have passed, and starts one every ``sync_every`` steps. Returns True
-        when a sync was started or applied. An exchange that failed in the engine raises here."""
+        when a sync was started or applied. An exchange that failed in the engine raises here.
+        ``skipped``: this step's optimizer step was left out on purpose (the order check)."""
+        self._order.check(self.steps + 1, skipped)
         self.steps += 1
         if not self.federated:
             return False
@@ -319,6 +323,7 @@ class FedAvg:
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
         """Call :meth:`step` after every ``optimizer.step()`` through a step post-hook, instead of
         calling it by hand. Returns the hook's handle (``.remove()`` detaches)."""
+        self._order.watch(optimizer)
         return optimizer.register_step_post_hook(lambda *_: self.step())
 
     def finish(self) -> None:
@@ -471,6 +476,7 @@ class FedAvg:
             fr.own_ready = cuda_event(self.device) if offloaded and fr.exchange is not None else None
         sync_inner_state(self.inner_state, self.optimizer, self.transport)
         fr.sync_step = self.steps
+        self._verify.at_start(fr)
         fr.apply_at = self.steps + self.overlap_steps
         if self.federation is not None:
             if fr.own_ready is not None:
@@ -544,6 +550,7 @@ class FedAvg:
             # NOTE: piece by piece along the buckets: no full-size copy of an offloaded own delta
             fr.exchange.add_own([self.slots[i].local for i in fr.xidx])
         self.num_syncs += 1
+        self._verify.after_apply(fr)
         if on_time and self.auto_overlap is not None and self.auto_overlap.measuring:
             proposal = self.auto_overlap.sample(job.seconds())
             if proposal is not None:
@@ -562,16 +569,5 @@ class FedAvg:
                   auto.k, self.steps, auto.exchange_s or 0.0, auto.step_s or 0.0, auto.k_max)
 
     def _refuse(self, world_flags: Tensor, fr: _Fragment) -> None:
-        flags = world_flags.tolist()
-        bad = [r for r, f in enumerate(flags[:-1]) if f]
-        groups = [self.topology.coords(r).group for r in bad]
-        if bad:
-            origin = (f"non-finite deltas came from ranks {bad} (federation groups {groups}); the average "
-                      "was refused: local weights and anchors are unchanged where the fed group saw them")
-        else:
-            origin = ("no rank sent a non-finite delta: the reduction or the codec overflowed in some "
-                      "buckets, whose average was not applied (other buckets were)")
         what = f"FedAvg sync of step {fr.sync_step}" + (f" (fragment {fr.index})" if self.fragments > 1 else "")
-        raise NonFiniteAverageError(
-            f"{what}: the average exchanged between federation groups is not finite (NaN/Inf); {origin}. "
-            "Every rank stops with this error: restore a checkpoint.", list(self.fed_ranks), bad)
+        raise non_finite_error(world_flags, self.topology, self.fed_ranks, what)

@@ -27,7 +27,6 @@ from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from flcomm.comm.base import Transport
-    from flcomm.federated.mesh import FedMesh
 
 
 @dataclass
@@ -72,22 +71,13 @@ def model_kind(model: nn.Module) -> str:
     return "plain"
 
 
-def _group_error(what: str, ranks: list[int], mesh: FedMesh) -> ValueError:
-    return ValueError(
-        f"{what} is sharded or replicated over ranks {sorted(ranks)}, which leave the federation "
-        f"group of rank {mesh.rank} (ranks {mesh.group_ranks['group']}): shard the model inside "
-        "its group only (FSDP2: fully_shard(..., mesh=fed_mesh.device_mesh['shard']) or "
-        "['replicate', 'shard'] for HSDP), or the groups would not train independently")
-
-
-def collect_slots(model: nn.Module, mesh: FedMesh) -> tuple[str, list[Slot]]:
+def collect_slots(model: nn.Module) -> tuple[str, list[Slot]]:
     """The model kind and the tensors to average, in a deterministic order (parameters in
-    ``named_parameters`` / FSDP-unit order, then buffers). Checks that no parameter is sharded
-    over ranks outside the rank's federation group."""
+    ``named_parameters`` / FSDP-unit order, then buffers). Whether the sharding matches the
+    topology is :func:`~flcomm.federated.checks.check_sharding`'s."""
     import torch.distributed as dist
 
     kind = model_kind(model)
-    group = set(mesh.group_ranks["group"])
     slots: list[Slot] = []
     if kind == "fsdp1":
         units = _fsdp1_units(model)
@@ -104,13 +94,6 @@ def collect_slots(model: nn.Module, mesh: FedMesh) -> tuple[str, list[Slot]]:
                 continue
             seen.add(id(fp))
             pg = unit.process_group
-            ranks = mesh.global_ranks(dist.get_process_group_ranks(pg))
-            if not set(ranks) <= group:
-                raise _group_error(f"FSDP1 unit {i} ({type(unit.module).__name__})", ranks, mesh)
-            inter = getattr(unit, "_inter_node_pg", None)
-            inter_ranks = mesh.global_ranks(dist.get_process_group_ranks(inter)) if inter is not None else []
-            if not set(inter_ranks) <= group:
-                raise _group_error(f"FSDP1 unit {i} replica group", inter_ranks, mesh)
             if fp.is_floating_point():
                 full = getattr(fp, "_unpadded_unsharded_size", None)
                 n = full.numel() if full is not None else fp.numel() * dist.get_world_size(pg)
@@ -120,11 +103,7 @@ def collect_slots(model: nn.Module, mesh: FedMesh) -> tuple[str, list[Slot]]:
             if not p.is_floating_point():
                 continue
             if is_dtensor(p):
-                dm = p.device_mesh
-                ranks = mesh.global_ranks([int(r) for r in dm.mesh.flatten().tolist()])
-                if not set(ranks) <= group:
-                    raise _group_error(f"parameter {name!r}", ranks, mesh)
-                coord = tuple(dm.get_coordinate() or ())
+                coord = tuple(p.device_mesh.get_coordinate() or ())
                 slots.append(Slot(name, lambda p=p: p.to_local(), True, coord, p.numel()))
             else:
                 slots.append(Slot(name, lambda p=p: p.data, True, (), p.numel()))

@@ -113,7 +113,8 @@ def train_step(run: Run, step: int) -> float:
     bad = not math.isfinite(loss_v) or float(lt[1]) > 0
     if bad and run.bad_step is None and cfg.nan_policy == "stop":
         run.bad_step = step
-    if bad or run.bad_step is not None:
+    skipped = bad or run.bad_step is not None
+    if skipped:
         run.optimizer.zero_grad(set_to_none=True)
         if bad and run.rank == run.topo.group_ranks(run.mesh.coords.group)[0]:
             print(f"flcomm.train: step {step}: non-finite loss or gradient norm in federation group "
@@ -131,7 +132,7 @@ def train_step(run: Run, step: int) -> float:
         _agree_non_finite(run, step)
     if run.fed is not None:
         mon.enter(step, "fedavg")
-        run.fed.step()
+        run.fed.step(skipped=skipped)  # NOTE: FedAvg checks that an optimizer step came first
     return loss_v
 
 

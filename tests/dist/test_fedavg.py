@@ -273,7 +273,8 @@ def _errors_worker(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from flcomm.federated.fedavg import FedAvg, NonFiniteAverageError
+    from flcomm.federated.checks import NonFiniteAverageError
+    from flcomm.federated.fedavg import FedAvg
 
     fm2, fm4 = fed_mesh(world, 2), fed_mesh(world, 4)
     model = make_model(0)
@@ -312,16 +313,16 @@ def _errors_worker(rank: int, world: int) -> dict:
     # groups that built different models: refused on every rank of the fed group
     other = make_model(0, d=8 if fm2.coords.group == 0 else 6)
     with pytest.raises(ValueError, match="do not hold the same shards"):
-        FedAvg(other, fm2, sync_every=1)
+        FedAvg(other, fm2, sync_every=1, replicated=True)
 
     # a state from another topology or configuration
     _, model, opt = build(world, 2, None, "plain", mesh=fm2)
-    sd2 = FedAvg(model, fm2, sync_every=2).state_dict()
+    sd2 = FedAvg(model, fm2, sync_every=2, replicated=True).state_dict()
     fed4 = FedAvg(model, fm4, sync_every=2)
     with pytest.raises(ValueError, match=r"another topology: saved .*\[2, 1, 2\].* has .*\[4, 1, 1\]"):
         fed4.load_state_dict(sd2)
     with pytest.raises(ValueError, match="outer='avg', this run has outer='nesterov'"):
-        FedAvg(model, fm2, sync_every=2, outer="nesterov").load_state_dict(sd2)
+        FedAvg(model, fm2, sync_every=2, outer="nesterov", replicated=True).load_state_dict(sd2)
 
     # NaN/Inf from one group: refused everywhere in its fed group, local weights kept
     for kw in ({}, {"codec": "int8", "error_feedback": True}):

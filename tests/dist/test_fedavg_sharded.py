@@ -209,7 +209,8 @@ def _roundtrip_worker(rank: int, world: int) -> dict:
 
 def _nan_worker(rank: int, world: int) -> dict:
     """Group 1's shards (both replicas, as HSDP keeps them) turn NaN: every rank refuses."""
-    from flcomm.federated.fedavg import FedAvg, NonFiniteAverageError
+    from flcomm.federated.checks import NonFiniteAverageError
+    from flcomm.federated.fedavg import FedAvg
 
     fm, model, opt = build(world, F, S, "fsdp2", mesh=fed_mesh(world, F, S))
     fed = FedAvg(model, fm, sync_every=1, codec="int8", error_feedback=True)

@@ -34,7 +34,7 @@ def _run_strategies(rank: int, world: int, out_dir: str) -> dict:
     res = {}
     for name, strategy, kw in (("fsdp", "fsdp", {}), ("hsdp", "hsdp", dict(shard_size=2)),
                                ("fl-fsdp", "fl-fsdp", dict(fedavg=FedAvgConfig(sync_every=2))),
-                               ("fl-hsdp", "fl-hsdp", dict(fedavg=FedAvgConfig(sync_every=2))),
+                               ("fl-hsdp", "fl-hsdp", dict(fedavg=FedAvgConfig(sync_every=2, verify=True))),
                                ("fsdp-hier", "fsdp", dict(hierarchical=True))):
         cfg = TrainConfig(strategy=strategy, ranks_per_node=2, metrics=os.path.join(out_dir, f"{name}.jsonl"),
                           **SMALL, **kw)

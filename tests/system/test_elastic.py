@@ -42,7 +42,10 @@ def _train_elastic(rank: int, world: int, E: int, T: int, kill: tuple[int, int, 
     f = rank // G
     model = make_model(0)
     opt = make_opt(model.parameters(), "adamw", 1e-2)
-    fed = FedAvg(model, mesh, sync_every=E, outer=outer, overlap_steps=int(overlap), federation=federation)
+    # NOTE: each rank computes its group's loss over all G batches: replicated by construction;
+    # verify checks that through the federation's rounds
+    fed = FedAvg(model, mesh, sync_every=E, outer=outer, overlap_steps=int(overlap), federation=federation,
+                 replicated=True, verify=True)
     kill_rank, kill_step, phase = kill
     try:
         for t in range(1, T + 1):

@@ -10,6 +10,7 @@ import sys
 import flcomm
 
 SCRIPT_NAMES = {"Strategy", "Topology", "FedAvg", "FedAvgConfig", "Federation", "apply_hierarchical_collectives",
+                "ReplicaMismatchError",
                 "apply_all_reduce_hook", "register_hierarchical_comm_hook", "NonFiniteAverageError",
                 "GroupLostError", "TooFewGroupsError", "EngineError", "EngineTimeout"}
 

@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 BAD = {
     "sync_every": 0, "codec": "zip", "block_size": 0, "error_feedback": "yes", "outer": "adam",
     "outer_lr": 0.0, "outer_momentum": 1.0, "inner_state": "x", "overlap_steps": 9, "fragments": 3,
-    "bucket_mb": 0, "offload": "gpu", "residual_dtype": "fp8", "sharded_exchange": 1,
+    "bucket_mb": 0, "offload": "gpu", "residual_dtype": "fp8", "sharded_exchange": 1, "verify": "yes",
 }
 
 

@@ -3,8 +3,6 @@ which tensors are averaged, in which order, and the fingerprint that compares fe
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 from torch import nn
 
@@ -12,13 +10,9 @@ from flcomm.federated.shards import collect_slots, describe, fingerprint, model_
 from tests.common.fedavg_sim import make_model
 
 
-def _mesh() -> SimpleNamespace:
-    return SimpleNamespace(rank=0, group_ranks={"group": [0]})
-
-
 def test_plain_slots_are_parameters_then_floating_persistent_buffers():
     model = make_model(0, bn=True)
-    kind, slots = collect_slots(model, _mesh())
+    kind, slots = collect_slots(model)
     assert kind == "plain" == model_kind(model)
     params = [n for n, _ in model.named_parameters()]
     # BatchNorm running stats and the constant "scale" are averaged; the integer counter
@@ -37,10 +31,10 @@ def test_plain_slots_are_parameters_then_floating_persistent_buffers():
 
 
 def test_fingerprint_equal_for_same_shards_and_different_otherwise():
-    a = collect_slots(make_model(0), _mesh())[1]
-    b = collect_slots(make_model(1), _mesh())[1]  # other values, same layout
-    c = collect_slots(make_model(0, d=6), _mesh())[1]  # other shapes
-    d = collect_slots(make_model(0).double(), _mesh())[1]  # other dtype
+    a = collect_slots(make_model(0))[1]
+    b = collect_slots(make_model(1))[1]  # other values, same layout
+    c = collect_slots(make_model(0, d=6))[1]  # other shapes
+    d = collect_slots(make_model(0).double())[1]  # other dtype
     fa = fingerprint(a)
     assert fa.dtype == torch.int64 and fa.shape == (3,)
     assert torch.equal(fa, fingerprint(b))
@@ -56,5 +50,5 @@ def test_integer_parameters_are_left_out():
             self.w = nn.Parameter(torch.zeros(3))
             self.i = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
 
-    _, slots = collect_slots(M(), _mesh())
+    _, slots = collect_slots(M())
     assert [s.name for s in slots] == ["w"]

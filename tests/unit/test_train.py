@@ -229,3 +229,10 @@ def test_bad_data_files_are_named(tmp_path, capsys):
         assert main(["--nproc", "2", "--data", *extra]) == 2
         err = capsys.readouterr().err
         assert re.search(match, err), (extra, err)
+
+
+def test_verify_flag_reaches_the_config():
+    from flcomm.train.__main__ import _config, _train_parser
+
+    assert _config(_train_parser().parse_args(["--verify"])).fedavg.verify is True
+    assert _config(_train_parser().parse_args([])).fedavg.verify is False
