@@ -4,7 +4,7 @@ Every run trains the same model on the same data with the same hyper-parameters 
 budget through the reference driver (``python -m flcomm.train``); only the strategy, codec,
 E and overlap change. Steps:
 
-  1. bring up the emulated cluster (``bench/cluster/netns.py``: N namespaces, tbf-shaped
+  1. bring up the emulated cluster (``flcomm/train/netns.py``: N namespaces, tbf-shaped
      inter-node links) or, under ``--launcher torchrun``, use the real job;
   2. probe the tiers (``flcomm.costmodel --measure``) and time a compute-only calibration run
      (fl-fsdp with groups of one rank and no sync: the same per-rank work, no communication,
@@ -205,7 +205,7 @@ def _driver_argv(a: argparse.Namespace, extra: list[str], metrics: str) -> list[
 
 def run_emulated(a: argparse.Namespace, specs: list[RunSpec], out_dir: str, log) -> tuple[dict, list[RunResult], float]:
     """Steps 1-3 on the emulated cluster: measure, calibrate, run every spec."""
-    from bench.cluster.netns import ClusterError, ClusterSpec, EmulatedCluster
+    from flcomm.train.netns import ClusterError, ClusterSpec, EmulatedCluster
 
     results: list[RunResult] = []
     env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -380,7 +380,7 @@ def analyse(a: argparse.Namespace, measured: dict, results: list[RunResult], com
 
 
 def cm_gbit(rate: str) -> float:
-    from bench.cluster.netns import parse_rate
+    from flcomm.train.netns import parse_rate
 
     return parse_rate(rate) / 1e9
 

@@ -1,12 +1,12 @@
-"""The emulated cluster's pure parts (bench/cluster/netns.py, bench/strategies.py): spec
+"""The emulated cluster's pure parts (flcomm/train/netns.py, bench/strategies.py): spec
 validation, the CPU split per node, and the strategy benchmark's run specs and statistics."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.cluster import netns
-from bench.cluster.netns import ClusterSpec, EmulatedCluster
+from flcomm.train import netns
+from flcomm.train.netns import ClusterSpec, EmulatedCluster
 
 
 def test_spec_validation():
