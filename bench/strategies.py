@@ -53,6 +53,7 @@ from flcomm import costmodel as cm  # noqa: E402
 from flcomm.codecs import CODECS  # noqa: E402
 from flcomm.federated.config import AUTO, FedAvgConfig  # noqa: E402
 from flcomm.federated.strategy import Strategy  # noqa: E402
+from flcomm.train.metrics import eval_at_time  # noqa: E402
 
 DEFAULT_RUNS = ("fsdp", "hsdp", "fl-fsdp:E=8:codec=int8", "fl-hsdp:E=8:codec=int8",
                 "fl-fsdp:E=8:codec=none", "fl-fsdp:E=8:codec=int8:overlap")
@@ -168,17 +169,6 @@ def timed_steps(steps: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]
     if not out:
         raise ValueError(f"no timed steps left after {warmup} warm-up steps; run more steps")
     return out
-
-
-def eval_at_time(steps: list[dict[str, Any]], t: float) -> float | None:
-    """Eval loss at wall time ``t``, linear between evaluations (None before the first)."""
-    ev = [(r["time_s"], r["eval_loss"]) for r in steps if r.get("eval_loss") is not None]
-    if not ev or t < ev[0][0]:
-        return None
-    for (t0, l0), (t1, l1) in zip(ev, ev[1:]):
-        if t0 <= t <= t1:
-            return l0 + (l1 - l0) * (t - t0) / (t1 - t0) if t1 > t0 else l1
-    return ev[-1][1]
 
 
 def effective_allgathers(model: str) -> float:
