@@ -232,7 +232,7 @@ def run_compare(base: TrainConfig, strategies: Sequence[str], nproc: int, out_di
                 on, why = False, str(e)
         setup = Setup(nproc // L, L, netns.parse_rate(rate) if on else None, base.model, base.fedavg.sync_every,
                       base.fedavg.codec)
-        if not on and why != "--no-emulate":
+        if not on:
             print(loopback_note(why or "", setup, rate), flush=True)
         for s, path in zip(strategies, paths):
             cfg = run_config(base, s, path)

@@ -47,6 +47,7 @@ PREFIX = "flcn-"          # every namespace this module makes starts with it
 NODE_IF = "fl0"           # the node's interface (GLOO_SOCKET_IFNAME)
 SUBNET = "10.99.0"        # /24, exists only inside the namespaces made here
 MASTER_PORT = 29500
+NETNS_ETC = "/etc/netns"  # `ip netns exec NS` bind-mounts NETNS_ETC/NS/* over /etc/*
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps)$", re.I)
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
                "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
@@ -142,6 +143,7 @@ def delete_namespace(ns: str) -> None:
         if pids:
             time.sleep(0.5)
     _run(["ip", "netns", "del", ns], check=False)
+    shutil.rmtree(os.path.join(NETNS_ETC, ns), ignore_errors=True)
 
 
 def cleanup(prefix: str = PREFIX) -> list[str]:
@@ -264,6 +266,17 @@ class EmulatedCluster:
         _run(["ip", "netns", "add", ns])
         self._made.append(ns)
 
+    def _write_hosts(self, ns: str) -> None:
+        """An /etc/hosts for ``ns`` naming every node's address. NOTE: c10d looks up the name of
+        each peer's address; without an entry the lookup falls through to DNS, which a namespace
+        cannot reach, and every run warned "The hostname of the client socket cannot be
+        retrieved. err=-3" (EAI_AGAIN)."""
+        d = os.path.join(NETNS_ETC, ns)
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "hosts"), "w") as f:
+            f.write("127.0.0.1 localhost\n::1 localhost\n")
+            f.writelines(f"{self.addr(i)} {self.ns(i)}\n" for i in range(self.spec.nodes))
+
     def _create(self) -> None:
         rate = _tc_rate(self.spec.rate_bits)
         self._ns_add(self.switch)
@@ -274,6 +287,7 @@ class EmulatedCluster:
         for i in range(self.spec.nodes):
             ns = self.ns(i)
             self._ns_add(ns)
+            self._write_hosts(ns)
             port = f"p{i}"
             _run(["ip", "link", "add", "name", NODE_IF, "netns", ns, "type", "veth",
                   "peer", "name", port, "netns", self.switch])
