@@ -267,15 +267,18 @@ class EmulatedCluster:
         self._made.append(ns)
 
     def _write_hosts(self, ns: str) -> None:
-        """An /etc/hosts for ``ns`` naming every node's address. NOTE: c10d looks up the name of
-        each peer's address; without an entry the lookup falls through to DNS, which a namespace
-        cannot reach, and every run warned "The hostname of the client socket cannot be
-        retrieved. err=-3" (EAI_AGAIN)."""
+        """An /etc/hosts for ``ns`` naming every node's address, IPv4 and v4-mapped IPv6.
+
+        NOTE: c10d looks up the name of each peer's address; without an entry the lookup falls
+        through to DNS, which a namespace cannot reach, and every run warned "The hostname of the
+        client socket cannot be retrieved. err=-3" (EAI_AGAIN)."""
         d = os.path.join(NETNS_ETC, ns)
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, "hosts"), "w") as f:
             f.write("127.0.0.1 localhost\n::1 localhost\n")
-            f.writelines(f"{self.addr(i)} {self.ns(i)}\n" for i in range(self.spec.nodes))
+            # NOTE: c10d's sockets are dual-stack: a peer shows as ::ffff:10.99.0.x, looked up as IPv6
+            f.writelines(f"{a} {self.ns(i)}\n" for i in range(self.spec.nodes)
+                         for a in (self.addr(i), f"::ffff:{self.addr(i)}"))
 
     def _create(self) -> None:
         rate = _tc_rate(self.spec.rate_bits)

@@ -60,10 +60,11 @@ def test_layout_isolation_and_teardown_on_error():
                 assert "tbf" in q and "50Mbit" in q, q
             # a node names its peers' addresses from its own hosts file (no DNS to wait on)
             for i in range(3):
-                got = subprocess.run(c.exec_argv(0, [sys.executable, "-c", "import socket; "
-                                                     f"print(socket.getnameinfo(('{c.addr(i)}', 0), 0)[0])"]),
-                                     capture_output=True, text=True, timeout=30)
-                assert got.stdout.strip() == c.ns(i), (got.stdout, got.stderr)
+                for addr in (f"('{c.addr(i)}', 0)", f"('::ffff:{c.addr(i)}', 0, 0, 0)"):  # c10d: dual-stack
+                    got = subprocess.run(c.exec_argv(0, [sys.executable, "-c", "import socket; "
+                                                         f"print(socket.getnameinfo({addr}, 0)[0])"]),
+                                         capture_output=True, text=True, timeout=30)
+                    assert got.stdout.strip() == c.ns(i), (addr, got.stdout, got.stderr)
             raise RuntimeError("boom")
     assert _ours() == before
     assert not any(os.path.exists(os.path.join(netns.NETNS_ETC, ns)) for ns in made)
