@@ -184,3 +184,37 @@ def test_progress_bar_on_a_terminal_uses_a_thread_lock(monkeypatch):
         assert not any(isinstance(lk, mps.SemLock) for lk in locks), locks
     finally:
         bar.close()
+
+
+def test_a_cluster_that_cannot_come_up_falls_back_unless_asked_for(monkeypatch, tmp_path, capsys):
+    """Root and the tools present, but the kernel refuses the tbf qdisc: known only when the
+    cluster is brought up; the default falls back to loopback with the reason, --emulate fails."""
+    _probes(monkeypatch)
+
+    class NoTbf:
+        def __init__(self, spec):
+            self.spec = spec
+
+        def __enter__(self):
+            raise netns.ClusterError("`tc qdisc add ... tbf` failed (exit 2): Error: Specified qdisc kind is unknown.")
+
+        def __exit__(self, *exc):
+            return None
+
+    monkeypatch.setattr(netns, "EmulatedCluster", NoTbf)
+    launched = []
+
+    def fake_launch(cfg, nproc, start_method):
+        launched.append(cfg.strategy)
+        _write_run(tmp_path / f"{cfg.strategy}.jsonl", cfg.strategy, FSDP_T, {8: 3.0})
+
+    monkeypatch.setattr(compare, "launch_local", fake_launch)
+    base = TrainConfig(ranks_per_node=2, group_size=2, steps=8, progress=False)
+    with pytest.raises(netns.ClusterError, match="qdisc kind is unknown"):
+        compare.run_compare(base, ["fsdp"], 4, str(tmp_path), emulate=True)
+    assert launched == []
+    monkeypatch.setattr("flcomm.train.plot.plot_runs", lambda paths, out, title=None: out)
+    compare.run_compare(base, ["fsdp"], 4, str(tmp_path))
+    out = capsys.readouterr().out.splitlines()
+    assert launched == ["fsdp"]
+    assert out[0].startswith("flcomm.train compare: on loopback, not an emulated cluster (`tc qdisc add")
