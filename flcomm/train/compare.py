@@ -186,7 +186,7 @@ def summary_line(rows: Sequence[dict], setup: Setup) -> str:
     return s
 
 
-def _launch_emulated(cluster: netns.EmulatedCluster, cfg: TrainConfig, nproc: int, out_dir: str) -> None:
+def _launch_emulated(cluster: netns.EmulatedCluster, cfg: TrainConfig, nproc: int) -> None:
     """Run ``cfg`` on every rank of ``cluster`` (``python -m flcomm.train rank CONFIG``, torchrun's
     environment per rank), rank 0's output on this terminal."""
     from flcomm.train.checkpoint import check_before_launch
@@ -194,7 +194,7 @@ def _launch_emulated(cluster: netns.EmulatedCluster, cfg: TrainConfig, nproc: in
     log_dir = tempfile.mkdtemp(prefix="flcomm-run-")
     cfg = replace(cfg, backend="gloo", log_dir=log_dir)
     check_before_launch(cfg, nproc)
-    path = os.path.join(out_dir, f"{cfg.strategy}.config.json")
+    path = os.path.join(log_dir, f"{cfg.strategy}.config.json")
     with open(path, "w") as f:
         json.dump(cfg.to_dict(), f)
     # NOTE: the ranks import this flcomm, and split the cores as launch_local's ranks do
@@ -239,9 +239,14 @@ def run_compare(base: TrainConfig, strategies: Sequence[str], nproc: int, out_di
             print(f"== {s}: {nproc} ranks {setup.where()}, {cfg.steps} steps of "
                   f"{nproc * cfg.batch_size * cfg.seq_len} tokens", flush=True)
             if cluster is not None:
-                _launch_emulated(cluster, cfg, nproc, out_dir)
+                _launch_emulated(cluster, cfg, nproc)
             else:
                 launch_local(cfg, nproc, start_method=default_start_method())
+    return _report(paths, setup, strategies, out_dir)
+
+
+def _report(paths: Sequence[str], setup: Setup, strategies: Sequence[str], out_dir: str) -> list[dict]:
+    """Step 3: the table, the PNG and the summary line; returns the rows."""
     runs = [read_metrics(p) for p in paths]
     rows = add_speedups([summarize(r) for r in runs], runs)
     print()
