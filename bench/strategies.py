@@ -4,7 +4,7 @@ Every run trains the same model on the same data with the same hyper-parameters 
 budget through the reference driver (``python -m flcomm.train``); only the strategy, codec,
 E and overlap change. Steps:
 
-  1. bring up the emulated cluster (``bench/cluster/netns.py``: N namespaces, tbf-shaped
+  1. bring up the emulated cluster (``flcomm/train/netns.py``: N namespaces, tbf-shaped
      inter-node links) or, under ``--launcher torchrun``, use the real job;
   2. probe the tiers (``flcomm.costmodel --measure``) and time a compute-only calibration run
      (fl-fsdp with groups of one rank and no sync: the same per-rank work, no communication,
@@ -53,6 +53,7 @@ from flcomm import costmodel as cm  # noqa: E402
 from flcomm.codecs import CODECS  # noqa: E402
 from flcomm.federated.config import AUTO, FedAvgConfig  # noqa: E402
 from flcomm.federated.strategy import Strategy  # noqa: E402
+from flcomm.train.metrics import eval_at_time  # noqa: E402
 
 DEFAULT_RUNS = ("fsdp", "hsdp", "fl-fsdp:E=8:codec=int8", "fl-hsdp:E=8:codec=int8",
                 "fl-fsdp:E=8:codec=none", "fl-fsdp:E=8:codec=int8:overlap")
@@ -170,17 +171,6 @@ def timed_steps(steps: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]
     return out
 
 
-def eval_at_time(steps: list[dict[str, Any]], t: float) -> float | None:
-    """Eval loss at wall time ``t``, linear between evaluations (None before the first)."""
-    ev = [(r["time_s"], r["eval_loss"]) for r in steps if r.get("eval_loss") is not None]
-    if not ev or t < ev[0][0]:
-        return None
-    for (t0, l0), (t1, l1) in zip(ev, ev[1:]):
-        if t0 <= t <= t1:
-            return l0 + (l1 - l0) * (t - t0) / (t1 - t0) if t1 > t0 else l1
-    return ev[-1][1]
-
-
 def effective_allgathers(model: str) -> float:
     """All-gathers per step weighted by parameters: decoder blocks reshard after forward (2),
     the root (embeddings, norm, head) does not (1)."""
@@ -205,7 +195,7 @@ def _driver_argv(a: argparse.Namespace, extra: list[str], metrics: str) -> list[
 
 def run_emulated(a: argparse.Namespace, specs: list[RunSpec], out_dir: str, log) -> tuple[dict, list[RunResult], float]:
     """Steps 1-3 on the emulated cluster: measure, calibrate, run every spec."""
-    from bench.cluster.netns import ClusterError, ClusterSpec, EmulatedCluster
+    from flcomm.train.netns import ClusterError, ClusterSpec, EmulatedCluster
 
     results: list[RunResult] = []
     env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -380,7 +370,7 @@ def analyse(a: argparse.Namespace, measured: dict, results: list[RunResult], com
 
 
 def cm_gbit(rate: str) -> float:
-    from bench.cluster.netns import parse_rate
+    from flcomm.train.netns import parse_rate
 
     return parse_rate(rate) / 1e9
 

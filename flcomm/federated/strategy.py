@@ -30,6 +30,24 @@ def one_node(L: int, n: int) -> int:
 
 
 class Strategy(Choice, what="strategy"):
+    """One of the four ways to train, by name; the home of their default group sizes.
+
+    Members (the value is the name on the command line, in ``--strategy`` and in the cost model):
+
+    * ``FSDP`` ("fsdp"): one group of all P ranks, sharded over all of them (S = P);
+    * ``HSDP`` ("hsdp"): one group, R = P / S replicas of S shards (S: a node by default);
+      the replicas all-reduce their gradients every step;
+    * ``FL_FSDP`` ("fl-fsdp"): F = P / G federation groups (G: a node by default), FSDP inside each,
+      a FedAvg of the shards across groups every E steps;
+    * ``FL_HSDP`` ("fl-hsdp"): F groups (two nodes each by default), HSDP inside each (R x S),
+      the FedAvg across groups every E steps.
+
+    Made by :meth:`parse` (a member or its name in any case, ``_`` or ``+`` for ``-``:
+    ``Strategy.parse("FL+FSDP")``; ValueError listing the names otherwise) or :meth:`of` (the
+    strategy a :class:`Topology` runs); :meth:`topology` makes the Topology of a world;
+    :meth:`values` lists the names.
+    """
+
     FSDP = "fsdp"
     HSDP = "hsdp"
     FL_FSDP = "fl-fsdp"
@@ -37,6 +55,7 @@ class Strategy(Choice, what="strategy"):
 
     @classmethod
     def _normalize(cls, text: str) -> str:
+        """"FL_FSDP", " fl+fsdp " -> "fl-fsdp" (what :meth:`parse` compares)."""
         return text.strip().lower().replace("_", "-").replace("+", "-")
 
     @property

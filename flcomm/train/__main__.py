@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 8 --nnodes 4 ... -m flcomm.train --strategy fl-hsdp \\
         --backend nccl --model llama3.1-8b --mixed-precision bf16   # a GPU cluster
     python -m flcomm.train compare                                 # FSDP vs FL+FSDP, table + PNG
+    python -m flcomm.train rank CONFIG.json                        # one rank of a recorded config
     python -m flcomm.train plot runs/*.jsonl --out loss.png
 
 Also installed as the console script ``flcomm-train``.
@@ -21,7 +22,7 @@ from flcomm.federated.config import FedAvgConfig
 from flcomm.train.config import NAN_POLICIES, STRATEGIES, TrainConfig
 from flcomm.train.model import PRESETS
 
-_SUBCOMMANDS = ("train", "compare", "plot")
+_SUBCOMMANDS = ("train", "compare", "plot", "rank")
 
 
 def _add_common(p: argparse.ArgumentParser, d: TrainConfig) -> None:
@@ -109,7 +110,7 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(argv: Sequence[str]) -> int:
-    from flcomm.train.launch import launch_local
+    from flcomm.train.launch import default_start_method, launch_local
 
     args = _train_parser().parse_args(argv)
     cfg = _config(args)
@@ -117,10 +118,7 @@ def cmd_train(argv: Sequence[str]) -> int:
         return _torchrun_rank(cfg)
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc must be an integer >= 1, got {args.nproc}")
-    # NOTE: fork: this process has not touched torch's thread pools or CUDA, and a fresh
-    # interpreter importing torch per rank costs seconds of start-up per rank
-    start = os.environ.get("FLCOMM_START_METHOD", "fork" if sys.platform == "linux" else "spawn")
-    launch_local(cfg, args.nproc or 1, start_method=start)
+    launch_local(cfg, args.nproc or 1, start_method=default_start_method())
     return 0
 
 
@@ -171,13 +169,33 @@ def cmd_compare(argv: Sequence[str]) -> int:
     p.add_argument("--strategies", default=COMPARE_DEFAULTS["strategies"],
                    help="comma-separated strategies to run, in order")
     p.add_argument("--out-dir", default=COMPARE_DEFAULTS["out_dir"], help="metrics and plot go here")
+    p.add_argument("--emulate", action=argparse.BooleanOptionalAction, default=None,
+                   help="run on the emulated two-tier cluster (network namespaces, tbf-shaped links between "
+                        "nodes; needs root and iproute2); default: when this machine can, else loopback")
+    p.add_argument("--rate", default=COMPARE_DEFAULTS["rate"],
+                   help="emulated link rate between nodes, per node and direction (tc units: 100mbit, 1gbit)")
     _add_common(p, d)
     p.set_defaults(nproc=COMPARE_DEFAULTS["nproc"])
     args = p.parse_args(argv)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     base = _config(args)
-    run_compare(base, strategies, args.nproc, args.out_dir)
+    run_compare(base, strategies, args.nproc, args.out_dir, emulate=args.emulate, rate=args.rate)
     return 0
+
+
+def cmd_rank(argv: Sequence[str]) -> int:
+    """One rank (torchrun's environment) of the config a JSON file records (TrainConfig.to_dict):
+    what ``compare`` runs on every rank of the emulated cluster."""
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m flcomm.train rank",
+                                description="One rank of a recorded TrainConfig, under torchrun's environment "
+                                            "(RANK, WORLD_SIZE, MASTER_ADDR, ...).")
+    p.add_argument("config", help="JSON file of TrainConfig.to_dict()")
+    args = p.parse_args(argv)
+    with open(args.config) as f:
+        cfg = TrainConfig.from_dict(json.load(f))
+    return _torchrun_rank(cfg)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -186,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in _SUBCOMMANDS:
         argv = argv[1:]
     try:
-        return {"train": cmd_train, "compare": cmd_compare, "plot": cmd_plot}[cmd](argv)
+        return {"train": cmd_train, "compare": cmd_compare, "plot": cmd_plot, "rank": cmd_rank}[cmd](argv)
     except (ValueError, FileNotFoundError, RuntimeError, TimeoutError, FloatingPointError) as e:
         print(f"flcomm.train: error: {e}", file=sys.stderr)
         return 2

@@ -144,6 +144,11 @@ class TrainConfig:
         return {**asdict(self), "fedavg": self.fedavg.to_dict()}
 
     @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        """The config a :meth:`to_dict` record describes."""
+        return cls(**{**d, "fedavg": FedAvgConfig.from_dict(d["fedavg"])})
+
+    @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 

@@ -327,6 +327,14 @@ def _supervise_elastic(cfg: TrainConfig, procs: list, timeout_s: float | None, r
     return report
 
 
+def default_start_method() -> str:
+    """How the command line starts local ranks: ``FLCOMM_START_METHOD``, else fork on Linux.
+
+    NOTE: fork: the command line's process has not touched torch's thread pools or CUDA, and a
+    fresh interpreter importing torch per rank costs seconds of start-up per rank."""
+    return os.environ.get("FLCOMM_START_METHOD", "fork" if sys.platform == "linux" else "spawn")
+
+
 def launch_local(cfg: TrainConfig, nproc: int, timeout_s: float | None = None,
                  start_method: str = "spawn") -> LaunchReport:
     """Run ``cfg`` on ``nproc`` local processes with gloo (CPU); see the module doc. Raises

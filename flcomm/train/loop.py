@@ -136,6 +136,24 @@ def train_step(run: Run, step: int) -> float:
     return loss_v
 
 
+def progress_bar(total: int, initial: int, desc: str) -> Any:
+    """A tqdm bar on stderr, or None when stdout or stderr is not a terminal (a log file or a
+    pipe would get one redrawn line per step).
+
+    NOTE: tqdm's default lock is a multiprocessing RLock, a named semaphore that a spawned rank
+    registers with the launcher's resource tracker; ranks end with ``os._exit``, which never
+    unregisters it, and the tracker warned about "leaked semaphore objects" at the launcher's
+    exit. One bar in one process needs only a thread lock."""
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        return None
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+
 class StepLogger:
     """Rank 0's per-step records (metrics JSONL and progress bar): loss, tokens/s, bytes per
     link tier since the last record, exposed FedAvg time; the config record first and the
@@ -155,12 +173,7 @@ class StepLogger:
         self.t_start = time.perf_counter() - run.elapsed0
         # NOTE: cumulative: an elastic run's tokens per step change with its live groups
         self.tokens = run.start_step * run.tokens_per_step
-        self.bar = None
-        if cfg.progress and run.rank == 0:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=cfg.steps, initial=run.start_step, desc=cfg.strategy, unit="step",
-                            dynamic_ncols=True, file=sys.stderr)
+        self.bar = progress_bar(cfg.steps, run.start_step, cfg.strategy) if cfg.progress and run.rank == 0 else None
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start

@@ -92,11 +92,24 @@ class RunMetrics:
             return os.path.basename(self.path)
         s = c.get("strategy", "?")
         if s in Strategy.values() and Strategy.parse(s).federated:
-            s += f" E={c.get('sync_every')} {c.get('codec')}"
+            fed = c.get("fedavg", c)  # NOTE: files written before FedAvgConfig kept its fields at the top
+            s += f" E={fed.get('sync_every')} {fed.get('codec')}"
         return s
 
     def evals(self) -> list[dict[str, Any]]:
         return [r for r in self.steps if r.get("eval_loss") is not None]
+
+
+def eval_at_time(steps: list[dict[str, Any]], t: float) -> float | None:
+    """Eval loss at wall time ``t``, linear between evaluations (None before the first, the
+    last one after it)."""
+    ev = [(r["time_s"], r["eval_loss"]) for r in steps if r.get("eval_loss") is not None]
+    if not ev or t < ev[0][0]:
+        return None
+    for (t0, l0), (t1, l1) in zip(ev, ev[1:]):
+        if t0 <= t <= t1:
+            return l0 + (l1 - l0) * (t - t0) / (t1 - t0) if t1 > t0 else l1
+    return ev[-1][1]
 
 
 def read_metrics(path: str) -> RunMetrics:

@@ -1,4 +1,5 @@
-"""The emulated cluster (bench/cluster/netns.py): shaping, isolation, teardown, launch errors.
+"""The emulated cluster (flcomm/train/netns.py; its command line: bench/cluster/netns.py): shaping,
+isolation, teardown, launch errors.
 
 The tests that build namespaces need root (CAP_NET_ADMIN/CAP_SYS_ADMIN) and are skipped
 without it; the root check itself runs anywhere (spec validation: tests/unit/test_cluster_spec.py).
@@ -12,8 +13,9 @@ import sys
 
 import pytest
 
-from bench.cluster import netns
-from bench.cluster.netns import ClusterError, ClusterSpec, EmulatedCluster
+from bench.cluster.netns import selfcheck
+from flcomm.train import netns
+from flcomm.train.netns import ClusterError, ClusterSpec, EmulatedCluster
 
 ROOT = os.geteuid() == 0
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,8 +58,16 @@ def test_layout_isolation_and_teardown_on_error():
                 q = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev],
                                    capture_output=True, text=True).stdout
                 assert "tbf" in q and "50Mbit" in q, q
+            # a node names its peers' addresses from its own hosts file (no DNS to wait on)
+            for i in range(3):
+                for addr in (f"('{c.addr(i)}', 0)", f"('::ffff:{c.addr(i)}', 0, 0, 0)"):  # c10d: dual-stack
+                    got = subprocess.run(c.exec_argv(0, [sys.executable, "-c", "import socket; "
+                                                         f"print(socket.getnameinfo({addr}, 0)[0])"]),
+                                         capture_output=True, text=True, timeout=30)
+                    assert got.stdout.strip() == c.ns(i), (addr, got.stdout, got.stderr)
             raise RuntimeError("boom")
     assert _ours() == before
+    assert not any(os.path.exists(os.path.join(netns.NETNS_ETC, ns)) for ns in made)
     assert subprocess.run(["ip", "-br", "addr"], capture_output=True, text=True).stdout == host_addrs
 
 
@@ -108,7 +118,7 @@ def test_inter_node_is_shaped_and_intra_node_is_not():
     """gloo all_reduce inside a node (loopback, unshaped) vs across nodes (two tbf veths)."""
     before = _ours()
     spec = ClusterSpec(2, rate="100mbit")
-    res = netns.selfcheck(spec, ranks_per_node=2, size_mb=2.0, iters=2, timeout=150, log=lambda s: None)
+    res = selfcheck(spec, ranks_per_node=2, size_mb=2.0, iters=2, timeout=150, log=lambda s: None)
     assert _ours() == before
     # the shaper is an upper bound (burst lets a little through above rate); well under it means
     # the link was not the bottleneck or shaping is misconfigured
@@ -119,7 +129,7 @@ def test_inter_node_is_shaped_and_intra_node_is_not():
 _HOLDER = """
 import sys, time
 sys.path.insert(0, {root!r})
-from bench.cluster.netns import ClusterSpec, EmulatedCluster
+from flcomm.train.netns import ClusterSpec, EmulatedCluster
 with EmulatedCluster(ClusterSpec(2), tag={tag!r}) as c:
     print("up", flush=True)
     c.launch(["sleep", "120"], 1, stream_rank0=False, timeout=120)

@@ -1,12 +1,13 @@
-"""The emulated cluster's pure parts (bench/cluster/netns.py, bench/strategies.py): spec
+"""The emulated cluster's pure parts (flcomm/train/netns.py, bench/strategies.py): spec
 validation, the CPU split per node, and the strategy benchmark's run specs and statistics."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.cluster import netns
-from bench.cluster.netns import ClusterSpec, EmulatedCluster
+from flcomm.train import netns
+from flcomm.train.metrics import eval_at_time
+from flcomm.train.netns import ClusterSpec, EmulatedCluster
 
 
 def test_spec_validation():
@@ -57,8 +58,8 @@ def test_strategies_run_specs_and_statistics():
     assert [r["step"] for r in bs.timed_steps(steps, 4)] == [5, 6, 7, 8]
     with pytest.raises(ValueError, match="no timed steps left after 8"):
         bs.timed_steps(steps, 8)
-    assert bs.eval_at_time(steps, 30.0) is None
-    assert bs.eval_at_time(steps, 60.0) == pytest.approx(3.5)
-    assert bs.eval_at_time(steps, 100.0) == 3.0
+    assert eval_at_time(steps, 30.0) is None
+    assert eval_at_time(steps, 60.0) == pytest.approx(3.5)
+    assert eval_at_time(steps, 100.0) == 3.0
     # blocks are gathered twice, the root once: strictly between 1 and 2
     assert 1.0 < bs.effective_allgathers("small") < 2.0
