@@ -197,6 +197,23 @@ class FedAvg:
             anchors=self._anchor if self.federated else None, outer=self._outer,
             exchanges=lambda: [fr.exchange for fr in self._frags])
         self._verify = ReplicaCheck(self, cfg.verify)
+        if self.federated and sync_init and federation is None and not self.in_place \
+                and self.inner_state is InnerState.KEEP:
+            self._warm_up()
+
+    @torch.no_grad()
+    def _warm_up(self) -> None:
+        """One exchange of every fragment at construction, of zero deltas (the anchors are the
+        local shards): it allocates the staging buckets and codec plans and carries the first
+        traffic of each transport's connections (a slow shaped link cost seconds there), so the
+        first sync costs what a later one does. It changes nothing: zero averages through every
+        codec, zero residuals and momentum; the counters are reset."""
+        for fr in self._frags:
+            self._start(fr)
+            self._apply(fr)
+            fr.applied = fr.late = 0
+        self.num_syncs = 0
+        self._exposure.reset(0.0)
 
     def _init_federated(self, sync_init: bool) -> None:
         mesh = self.mesh

@@ -36,3 +36,31 @@ def test_no_rank_leaves_before_every_group_has_the_model():
     last_done = max(r["broadcast_done"] for r in res)
     for rank, r in enumerate(res):
         assert r["left"] >= last_done, (rank, r, last_done)
+
+
+def _warm_worker(rank: int, world: int) -> dict:
+    import torch
+
+    from flcomm.federated.fedavg import FedAvg
+    from tests.common.fedavg_harness import build
+
+    fm, model, opt = build(world, 2, None, "fsdp2")
+    before = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
+    sent0 = fm.stats.bytes("inter_group")
+    fed = FedAvg(model, fm, sync_every=2, codec="int8", error_feedback=True, outer="nesterov", overlap_steps=1,
+                 optimizer=opt)
+    after = {n: p.detach().to_local() for n, p in model.named_parameters()}
+    residuals = [r for fr in fed._frags for r in fr.exchange.state_dict()["residuals"] if r is not None]
+    return {"same": all(torch.equal(before[n], after[n]) for n in before),
+            "anchor_is_local": all(torch.equal(a, s.local) for a, s in zip(fed._anchor, fed.slots)),
+            "zero_state": all(not t.any() for t in [*residuals, *fed._outer.buffers]),
+            "sent": fm.stats.bytes("inter_group") - sent0, "num_syncs": fed.num_syncs, "exposed": fed.exposed_comm_s}
+
+
+def test_the_warm_up_exchange_runs_at_construction_and_changes_nothing():
+    """A lossy, nesterov, overlapped FedAvg exchanges once at construction (inter-group bytes are
+    sent) and leaves the model, the anchors, the residuals, the momentum and the counters as a
+    FedAvg that never synced."""
+    for rank, r in enumerate(run_distributed(_warm_worker, 4, timeout=120)):
+        assert r["same"] and r["anchor_is_local"] and r["zero_state"], (rank, r)
+        assert r["sent"] > 0 and r["num_syncs"] == 0 and r["exposed"] == 0.0, (rank, r)
