@@ -56,7 +56,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-AUTO = "auto"  # overlap_steps: FedAvg chooses k (flcomm.federated.autotune)
+from flcomm.federated.config import AUTO, parse_overlap_steps
+
 AUTO_WARMUP_BLOCKS = 6  # overlapped warm-up blocks at most, until "auto" has chosen
 
 
@@ -137,10 +138,6 @@ def _interleaved(a: argparse.Namespace, mesh: Any, codec: str) -> list[dict[str,
         blocks.append({**o, "k": fed.overlap_steps, "compute_step_s": (computes[-2] + computes[-1]) / (2 * n),
                        "compute_around_s": [computes[-2] / n, computes[-1] / n], "steps": n})
     return blocks
-
-
-def _k(text: str) -> int | str:
-    return AUTO if text == AUTO else int(text)
 
 
 def _slowest(x: float) -> float:
@@ -259,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--group-size", type=int, default=2)
     p.add_argument("--sync-every", type=int, default=4)
-    p.add_argument("--overlap-steps", type=_k, default=AUTO,
+    p.add_argument("--overlap-steps", type=parse_overlap_steps, default=AUTO,
                    help="k of the overlapped blocks, or auto (FedAvg measures it; the table's k is its choice)")
     p.add_argument("--fragments", type=int, default=1, help="streaming fragments K (divides E)")
     p.add_argument("--codecs", nargs="+", default=["none", "int8"])

@@ -37,7 +37,7 @@ class AutoOverlap:
     """The measurement of one FedAvg (module docstring). ``k``: the k to use now."""
 
     def __init__(self, k_max: int) -> None:
-        self.k_max = self.k = k_max
+        self.k_max = k_max
         self.chosen: int | None = None
         self.exchange_s: float | None = None  # what the choice was measured on
         self.step_s: float | None = None
@@ -45,6 +45,11 @@ class AutoOverlap:
         self._intervals: list[float] = []
         self._seen = 0
         self._samples: list[tuple[float, float]] = []
+
+    @property
+    def k(self) -> int:
+        """The chosen k once settled, k_max while measuring."""
+        return self.k_max if self.chosen is None else self.chosen
 
     @property
     def measuring(self) -> bool:
@@ -73,7 +78,7 @@ class AutoOverlap:
 
     def settle(self, k: int) -> None:
         """Use ``k`` from now on (the world's agreed choice, or a checkpoint's)."""
-        self.chosen = self.k = max(1, min(self.k_max, int(k)))
+        self.chosen = max(1, min(self.k_max, int(k)))
         if self._samples:
             self.exchange_s = max(x for x, _ in self._samples)
             self.step_s = statistics.median(s for _, s in self._samples)

@@ -29,7 +29,7 @@ from flcomm.federated.outer import Outer
 from flcomm.kernels import BLOCKED_FORMATS
 from flcomm.validate import integer, number
 
-__all__ = ["AUTO", "RESIDUAL_DTYPES", "FedAvgConfig", "check_inputs", "one_device"]
+__all__ = ["AUTO", "RESIDUAL_DTYPES", "FedAvgConfig", "check_inputs", "one_device", "parse_overlap_steps"]
 
 RESIDUAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 AUTO = "auto"  # overlap_steps: FedAvg picks k from the first exchanges (flcomm.federated.autotune)
@@ -199,7 +199,7 @@ class FedAvgConfig:
                 group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=value,
                                    help=help_ + (" (default: None)" if value is None else ""))
             elif f.name == "overlap_steps":
-                group.add_argument(flag, dest=f.name, type=_overlap_steps, default=value,
+                group.add_argument(flag, dest=f.name, type=parse_overlap_steps, default=value,
                                    help=help_ + " (default: %(default)s)")
                 group.add_argument("--overlap", dest=f.name, action="store_const", const=AUTO,
                                    help="overlap the exchanges with compute: --overlap-steps auto")
@@ -214,7 +214,8 @@ class FedAvgConfig:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
-def _overlap_steps(text: str) -> int | str:
+def parse_overlap_steps(text: str) -> int | str:
+    """A command line's overlap_steps: ``auto`` or an integer."""
     return AUTO if text.strip().lower() == AUTO else int(text)
 
 

@@ -172,7 +172,6 @@ class FedAvg:
         self.error_feedback, self.overlap = cfg.error_feedback, cfg.overlap
         # NOTE: "auto" measures with the largest k that keeps fragments apart, then settles
         self.auto_overlap = AutoOverlap(cfg.sync_every // cfg.fragments) if cfg.overlap_steps == AUTO else None
-        self.overlap_steps = self.auto_overlap.k if self.auto_overlap is not None else cfg.overlap_steps
         self.bucket_mb = cfg.bucket_mb
         self.sharded_exchange = cfg.sharded_exchange
         #: the settings saved with the state (:meth:`FedAvgConfig.to_dict`)
@@ -192,7 +191,7 @@ class FedAvg:
         if self.federated:
             self._init_federated(sync_init)
         self._checkpoint = FedAvgCheckpoint(
-            self.topology, self.checkpoint_config, rank=self.rank, elastic=federation is not None, overlap=self.overlap,
+            self.topology, self.checkpoint_config, rank=self.rank, elastic=federation is not None,
             names=[s.name for s in self.slots], is_param=[s.is_param for s in self.slots],
             anchors=self._anchor if self.federated else None, outer=self._outer,
             exchanges=lambda: [fr.exchange for fr in self._frags])
@@ -330,6 +329,11 @@ class FedAvg:
             did = True
         return did
 
+    @property
+    def overlap_steps(self) -> int:
+        """k now: the config's, or with ``"auto"`` the measured choice (k_max until it is made)."""
+        return self.auto_overlap.k if self.auto_overlap is not None else int(self.config.overlap_steps)
+
     def starts_sync(self, step: int) -> bool:
         """Whether step ``step`` (1-based, as :attr:`steps`) starts a fragment's sync; never with one group."""
         return bool(self._starting(step))
@@ -401,7 +405,6 @@ class FedAvg:
         self.steps, self.num_syncs, exposed = self._checkpoint.load(sd, source_rank)
         if self.auto_overlap is not None and isinstance(sd.get("overlap_steps"), int):
             self.auto_overlap.settle(sd["overlap_steps"])
-            self.overlap_steps = self.auto_overlap.k
         if exposed is not None:
             self.exposed_comm_s = exposed
 
@@ -581,7 +584,6 @@ class FedAvg:
         k = torch.tensor([proposal], dtype=torch.int32, device=self.device)
         self.group_transport.all_reduce(k, op="max")
         auto.settle(int(k.item()))
-        self.overlap_steps = auto.k
         _log.info("FedAvg: overlap_steps='auto' chose k=%d at step %d (exchange %.3f s, step %.3f s, k_max %d)",
                   auto.k, self.steps, auto.exchange_s or 0.0, auto.step_s or 0.0, auto.k_max)
 

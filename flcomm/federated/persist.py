@@ -58,7 +58,6 @@ class FedAvgCheckpoint:
             <flcomm.federated.config.FedAvgConfig.to_dict>`).
         rank: this rank's global rank.
         elastic: the run has an elastic federation.
-        overlap: the run overlaps its exchanges (named when an in-place state cannot load).
         names, is_param: each averaged tensor's name, and whether it is a parameter.
         anchors: the anchors (empty in the in-place mode; None without a federation: then only
             the counters are saved), written in place, never replaced.
@@ -66,11 +65,11 @@ class FedAvgCheckpoint:
         exchanges: each fragment's exchange, now (they are rebuilt after a membership change).
     """
 
-    def __init__(self, topology: Topology, config: dict[str, Any], *, rank: int, elastic: bool, overlap: bool,
+    def __init__(self, topology: Topology, config: dict[str, Any], *, rank: int, elastic: bool,
                  names: list[str], is_param: list[bool], anchors: list[Tensor] | None,
                  outer: OuterOptimizer, exchanges: Callable[[], list[DeltaExchange | None]]) -> None:
         self.topology, self.config, self.rank = topology, dict(config), rank
-        self.elastic, self.overlap = elastic, overlap
+        self.elastic = elastic
         self.names, self.is_param, self.anchors = names, is_param, anchors
         self.outer, self.exchanges = outer, exchanges
 
@@ -108,9 +107,9 @@ class FedAvgCheckpoint:
             raise ValueError(f"FedAvg state is from another topology: saved {theirs}, this run has {mine}")
         bad = config_mismatch(sd.get("config", {}), self.config)
         if bad is not None and bad[0] == "in_place":
+            run = f"codec={self.config['codec']!r}, overlap_steps={self.config['overlap_steps']!r}"
             raise ValueError("FedAvg state was saved in the paper's in-place mode, which keeps no anchor; this "
-                             f"run (codec={self.config['codec']!r}, overlap={self.overlap}) needs one: resume in the "
-                             "same mode")
+                             f"run ({run}) needs one: resume in the same mode")
         if bad is not None:
             key, have, want = bad
             raise ValueError(f"FedAvg state was saved with {key}={have!r}, this run has {key}={want!r}")
