@@ -304,16 +304,17 @@ def group_params_equal(ckpt_root: str, groups: list[int], step: int) -> bool:
     return all(all(torch.equal(ref[k], sd[k]) for k in ref) for sd in models)
 
 
-def _joined_step(metrics: str) -> int | None:
-    """The step of the first membership record that admitted a group, from a metrics file
-    being written (None: none yet)."""
+def _progress(metrics: str) -> tuple[int | None, int]:
+    """From a metrics file being written: the step of the first membership record that admitted
+    a group (None: none yet) and the last step recorded (0: none yet)."""
     from flcomm.train.metrics import read_metrics
 
     try:
         m = read_metrics(metrics)
     except (OSError, ValueError):  # NOTE: not there yet, or a line half written
-        return None
-    return next((e["step"] for e in m.membership if e["joined"]), None)
+        return None, 0
+    joined = next((e["step"] for e in m.membership if e["joined"]), None)
+    return joined, (m.steps[-1]["step"] if m.steps else 0)
 
 
 def run_elastic_fault(phase: str, workdir: str, grace_s: float = 3.0, rejoin: bool = False,
@@ -354,9 +355,11 @@ def run_elastic_fault(phase: str, workdir: str, grace_s: float = 3.0, rejoin: bo
             if t_fault is None and hb is not None and hb.get("step") == step and hb.get("phase") == mphase:
                 t_fault = float(hb["t"])
             if rejoin:
-                joined = joined if joined is not None else _joined_step(metrics)
+                admitted, last = _progress(metrics)
+                joined = joined if joined is not None else admitted
                 saved = newest_group_checkpoints(ckpt_dir)
-                if joined is not None and len(saved) == len(groups) and \
+                # NOTE: a step's checkpoint is written before its metrics record: stop once both are
+                if joined is not None and len(saved) == len(groups) and last >= joined + ELASTIC_E and \
                         min(st for st, _ in saved.values()) >= joined + ELASTIC_E:
                     res.stopped_at = joined + ELASTIC_E
                     p.send_signal(signal.SIGTERM)
