@@ -545,8 +545,9 @@ FLCOMM_AVX512 void encode_block_avx512(const float* x, float* r, uint8_t* q, con
       const __m512 v = _mm512_mul_ps(kTiny ? _mm512_mul_ps(y, vpre) : y, vinv);
       __m512 d;
       if constexpr (F == Fmt::kInt8) {  // NOTE: no clamp, as in encode_block_avx2
-        d = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        qi[k] = _mm512_cvtps_epi32(d);  // exact: d is integral
+        // rint in the conversion itself (embedded rounding), and the integral value back from it
+        qi[k] = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        if (kEF) d = _mm512_cvtepi32_ps(qi[k]);  // exact: |qi| <= 127
       } else {
         qi[k] = fp8_encode16(_mm512_min_ps(_mm512_max_ps(v, vlo), vhi));
         if (kEF) d = fp8_decode16(qi[k]);
