@@ -51,12 +51,31 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 
+# NOTE: the library the communicators come from: flcomm._C, or (tests only) a stand-in with the
+# same interface, set here the way a test double is injected (tests/common/fake_nccl.py). No user
+# path sets it.
+_LIBRARY: Any = None
+
+
+def library() -> Any:
+    """The module whose ``NcclComm``, ``nccl_unique_id`` and ``nccl_group_depth`` flcomm calls:
+    ``flcomm._C`` (raises if it does not load)."""
+    return _LIBRARY if _LIBRARY is not None else _native.native()
+
+
+def device_type() -> str:
+    """The device type the library's communicators run on ("cuda"; a CPU stand-in says "cpu")."""
+    return str(getattr(library(), "DEVICE_TYPE", "cuda"))
+
+
 def nccl_available() -> tuple[bool, str]:
     """Whether a native NCCL communicator can be created on this machine, and why not.
 
     Returns ``(True, "NCCL <version>")`` or ``(False, reason)``; the reason names what is
     missing (the extension, NCCL at build time, a CUDA device) and how to get it.
     """
+    if _LIBRARY is not None:
+        return True, str(getattr(_LIBRARY, "DESCRIPTION", type(_LIBRARY).__name__))
     if not _native.available():
         return False, str(_native.unavailable_reason())
     C = _native.native()
@@ -81,9 +100,9 @@ def _seconds(timeout: timedelta | float) -> float:
 def open_group_depth() -> int:
     """How many flcomm NCCL groups (``NcclComm.group_start()``) are open on the calling thread;
     0 where flcomm has no NCCL. Needs no GPU."""
-    if not _native.available():
+    if _LIBRARY is None and not _native.available():
         return 0
-    return int(_native.native().nccl_group_depth())
+    return int(library().nccl_group_depth())
 
 
 def check_no_open_group(what: str) -> None:
@@ -151,7 +170,7 @@ class NcclTransport(Transport):
         super().__init__(int(comm.rank), int(comm.size), LinkTier(tier), stats, timeout)
         self.comm = comm
         self.blocking_wait = blocking_wait
-        self._device = device if device is not None else torch.device("cuda", int(comm.device))
+        self._device = device if device is not None else _comm_device(comm)
 
     @classmethod
     def from_group(cls, group: dist.ProcessGroup | None = None, tier: LinkTier | str = LinkTier.INTRA_NODE,
@@ -168,20 +187,28 @@ class NcclTransport(Transport):
         if not ok:
             raise RuntimeError(f"NcclTransport.from_group: {reason}")
         group = group if group is not None else dist.group.WORLD
-        index = default_device(group) if device is None else _device_index(device)
+        if device_type() != "cuda":  # NOTE: a CPU stand-in has one device
+            index = 0
+        else:
+            index = default_device(group) if device is None else _device_index(device)
         uid = exchange_unique_id(group, timeout)
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        comm = _native.native().NcclComm(uid, size, rank, index, _seconds(timeout))
+        comm = library().NcclComm(uid, size, rank, index, _seconds(timeout))
         return cls(comm, tier, stats, timeout, blocking_wait)
 
-    def split(self, color: int, key: int | None = None, tier: LinkTier | str | None = None) -> NcclTransport | None:
+    def split(self, color: int, key: int | None = None, tier: LinkTier | str | None = None, *,
+              max_ctas: int | None = None) -> NcclTransport | None:
         """Sub-communicator of the ranks passing ``color`` (ordered by ``key``, default the rank);
-        ``color < 0`` joins none and gets None. Collective over this transport; shares its stats."""
-        child = self.comm.split(color, self.rank if key is None else key, _seconds(self.timeout))
+        ``color < 0`` joins none and gets None. Collective over this transport; shares its stats.
+
+        ``max_ctas``: the most CTAs (SMs) each collective of the new communicator may hold
+        (ncclConfig_t.maxCTAs); None keeps NCCL's default."""
+        args = (color, self.rank if key is None else key, _seconds(self.timeout))
+        child = self.comm.split(*args) if max_ctas is None else self.comm.split(*args, max_ctas=max_ctas)
         if child is None:
             return None
         return NcclTransport(child, self.tier if tier is None else tier, self.stats, self.timeout,
-                             self.blocking_wait)
+                             self.blocking_wait, self._device)
 
     @property
     def device(self) -> torch.device:
@@ -281,6 +308,11 @@ class NcclTransport(Transport):
         return self._handle(self.comm.broadcast(tensor, src))
 
 
+def _comm_device(comm: Any) -> torch.device:
+    kind = device_type()
+    return torch.device(kind, int(comm.device)) if kind == "cuda" else torch.device(kind)
+
+
 def _device_index(device: int | torch.device | str) -> int:
     d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if d.type != "cuda" or d.index is None:
@@ -338,7 +370,7 @@ def exchange_unique_id(group: dist.ProcessGroup | None = None,
     from torch.distributed import distributed_c10d as c10d
 
     group = group if group is not None else dist.group.WORLD
-    C = _native.native()
+    C = library()
     name = str(group.group_name)
     key = f"flcomm/nccl_unique_id/{name}/{next(_EXCHANGES[name])}"
     store = c10d._get_default_store()

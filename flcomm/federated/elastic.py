@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from flcomm.comm.base import CommStats, LinkTier
+from flcomm.comm.base import EXCHANGE_MAX_CTAS, CommStats, LinkTier, Transport
 from flcomm.comm.engine import EngineError, Job
 from flcomm.comm.torch_pg import ProcessGroupTransport, abort_group, store_group
 
@@ -142,7 +142,8 @@ class Federation:
         store: the job's TCPStore (every rank of every group reaches it; a launcher hosts it).
         topology: the full topology (all groups, as started).
         rank: this rank's global rank in ``topology``.
-        backend: ``gloo`` or ``nccl``, for the cross-group groups.
+        backend: ``gloo`` or ``nccl`` (torch's process groups), or ``native`` (flcomm's NCCL
+            communicators), for the cross-group groups.
         timeout: every cross-group collective's timeout.
         grace_s: how long a membership round (and a commit) waits for a silent rank.
         min_groups: fewer live groups end the job.
@@ -180,6 +181,7 @@ class Federation:
         self.group = self.coords.group
         self._transport: ProcessGroupTransport | None = None
         self._retired: list[Any] = []  # aborted, not destroyed (:meth:`_retire`)
+        self._roots: list[Any] = []  # native generations' root communicators (:func:`native_generation`)
         first = Membership(0, tuple(range(F)))
         if not self.rejoin_mode:
             self.membership = self._decide(first)
@@ -413,8 +415,13 @@ class Federation:
         members = self.members(self.groups)
         g = self.generation
         self._retire()
-        pg = store_group(self.kv, f"gen{g}/fed{self.coords.index}/", members.index(self.rank), len(members),
-                         self.backend, self.timeout)
+        prefix, index = f"gen{g}/fed{self.coords.index}/", members.index(self.rank)
+        if self.backend == "native":
+            root, self._transport = native_generation(self.kv, prefix, index, len(members), self.stats,
+                                                      self.timeout)
+            self._roots.append(root)  # NOTE: kept with the split it made, freed with the federation
+            return
+        pg = store_group(self.kv, prefix, index, len(members), self.backend, self.timeout)
         self._transport = ProcessGroupTransport(pg, members, self.backend, LinkTier.INTER_GROUP, self.stats,
                                                 self.timeout)
 
@@ -425,7 +432,10 @@ class Federation:
         block."""
         if self._transport is None:
             return
-        abort_group(self._transport.group)
+        if isinstance(self._transport, ProcessGroupTransport):
+            abort_group(self._transport.group)
+        else:  # NOTE: flcomm's communicator: ncclCommAbort ends its kernels
+            self._transport.abort()
         self._retired.append(self._transport)
         self._transport = None
 
@@ -434,3 +444,27 @@ class Federation:
             return None
         v = self.kv.get(key)
         return v.decode() if isinstance(v, bytes) else v
+
+
+def native_generation(kv: dist.Store, prefix: str, index: int, size: int, stats: CommStats | None,
+                      timeout: timedelta) -> tuple[Transport, Transport]:
+    """A generation's fed transport on flcomm's NCCL communicators: only the live members take
+    part. Member 0 publishes a fresh unique id under ``prefix``; every member initializes a
+    communicator from it and splits the exchange's (with its CTA cap) off it. Returns (the root,
+    the exchange's).
+
+    NOTE: a fresh communicator, not a split of the last generation's: a split is collective over
+    the parent, whose lost members will never call it (NCCL's ncclCommShrink would allow it)."""
+    from flcomm.comm import nccl
+
+    lib = nccl.library()
+    key = f"{prefix}nccl_unique_id"
+    if index == 0:
+        kv.set(key, lib.nccl_unique_id())
+    else:
+        kv.wait([key], timeout)
+    uid = kv.get(key)
+    device = 0 if nccl.device_type() != "cuda" else nccl.default_device()
+    root = nccl.NcclTransport(lib.NcclComm(uid, size, index, device, timeout.total_seconds()),
+                              LinkTier.INTER_GROUP, stats, timeout)
+    return root, root.split(0, index, max_ctas=EXCHANGE_MAX_CTAS)

@@ -82,10 +82,7 @@ def replicate_transport(mesh: FedMesh, sharded: bool | None) -> Transport | None
     if sharded is False or topo.num_replicas == 1 or not topo.federated:
         return None
     if mesh not in _REPLICATE:
-        from flcomm.comm.torch_pg import TorchTransport
-
-        mine = mesh.new_groups(topo.dim_groups("replicate"), "replicate_exchange")
-        _REPLICATE[mesh] = TorchTransport(mine, mesh.tier("replicate"), mesh.stats, mesh.timeout)
+        _REPLICATE[mesh] = mesh.private_transport("replicate_exchange", "replicate")
     return _REPLICATE[mesh]
 
 

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from flcomm.comm.base import EXCHANGE_MAX_CTAS, CommStats, LinkTier
+from flcomm.comm.base import EXCHANGE_MAX_CTAS, CommStats, LinkTier, Transport
+from flcomm.enums import Choice
 from flcomm.federated.topology import MESH_DIMS, Topology
 
 if TYPE_CHECKING:
@@ -16,11 +17,19 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from flcomm.collectives.hierarchical import Hierarchy
-    from flcomm.comm.torch_pg import TorchTransport
+    from flcomm.comm.nccl import NcclTransport
 
-__all__ = ["EXCHANGE_GROUPS", "FedMesh"]
+__all__ = ["EXCHANGE_GROUPS", "FedMesh", "TransportKind"]
 
 EXCHANGE_GROUPS = ("fed", "replicate_exchange")  # the FedAvg exchange's groups (:meth:`FedMesh._pg_options`)
+
+
+class TransportKind(Choice, what="transport"):
+    """What flcomm's own collectives run on: torch.distributed's process groups, or flcomm's
+    native NCCL communicators."""
+
+    TORCH = "torch"
+    NATIVE = "native"
 
 
 class FedMesh:
@@ -33,17 +42,26 @@ class FedMesh:
       the hierarchical collectives of the shard dim, ``shard_intra`` (my shard group's ranks on
       my node) and ``shard_inter`` (my shard group's ranks with my local position on the
       other nodes); the same for ``group_intra`` / ``group_inter``.
+
+    With ``transport="native"`` the transports are flcomm's NCCL communicators instead: one root
+    over torch's world (its unique id through the c10d store), and one ``ncclCommSplit`` of it
+    per tier, colored by the tier's groups; the exchange's communicators carry the CTA cap. The
+    process groups above still exist for FSDP's DeviceMesh and the trainer; the intra/inter-node
+    tiers are communicators only.
     """
 
     def __init__(self, topo: Topology, device_type: str, stats: CommStats | None,
                  timeout: timedelta, hierarchical: bool, group_rank: int | None = None,
-                 exchange_max_ctas: int | None = EXCHANGE_MAX_CTAS) -> None:
+                 exchange_max_ctas: int | None = EXCHANGE_MAX_CTAS, transport: str = "torch") -> None:
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
+        self.transport_kind = TransportKind.parse(transport)
         if not dist.is_initialized():
             raise RuntimeError("Topology.build needs torch.distributed to be initialized first")
+        if self.transport_kind is TransportKind.NATIVE:
+            _check_native(device_type)
         self.group_world = group_rank is not None
         want = topo.group_size if self.group_world else topo.world_size
         if dist.get_world_size() != want:
@@ -74,6 +92,8 @@ class FedMesh:
             [self.groups[d] for d in dims], device_type,
             torch.tensor(mesh, dtype=torch.int), mesh_dim_names=dims)
         self.groups["group"] = self.new_groups(topo.dim_groups("group"), "group")
+        self._native: dict[str, NcclTransport] = {}
+        tiers = {d: topo.dim_groups(d) for d in (*dims, "group")}
         if hierarchical:
             for base in ("shard", "group"):
                 intra_all, inter_all = [], []
@@ -81,8 +101,12 @@ class FedMesh:
                     intra, inter = topo.node_split(ranks)
                     intra_all += intra
                     inter_all += inter
-                self.groups[f"{base}_intra"] = self.new_groups(intra_all, f"{base}_intra")
-                self.groups[f"{base}_inter"] = self.new_groups(inter_all, f"{base}_inter")
+                tiers[f"{base}_intra"], tiers[f"{base}_inter"] = intra_all, inter_all
+                if self.transport_kind is TransportKind.TORCH:
+                    self.groups[f"{base}_intra"] = self.new_groups(intra_all, f"{base}_intra")
+                    self.groups[f"{base}_inter"] = self.new_groups(inter_all, f"{base}_inter")
+        if self.transport_kind is TransportKind.NATIVE:
+            self._build_native(tiers)
 
     def new_groups(self, lists: list[list[int]], name: str):
         """One process group per rank list (global ranks), this rank's returned and recorded
@@ -100,6 +124,55 @@ class FedMesh:
             if self.rank in ranks:
                 mine, self.group_ranks[name] = g, list(ranks)
         return mine
+
+    def _mine(self, lists: list[list[int]]) -> tuple[int, int, list[int]] | None:
+        """(index of my list, my position in it, the list) among the lists that exist in this
+        world (a group's own world has only the lists inside the group); None if in none."""
+        lists = [r for r in lists if not self.group_world or set(r) <= set(self._own)]
+        for i, ranks in enumerate(lists):
+            if self.rank in ranks:
+                return i, list(ranks).index(self.rank), list(ranks)
+        return None
+
+    def _build_native(self, tiers: dict[str, list[list[int]]]) -> None:
+        """The root communicator and one split of it per tier (collective, in the same order on
+        every rank: a split is collective over the root)."""
+        from flcomm.comm.nccl import NcclTransport
+
+        self._root = NcclTransport.from_group(None, LinkTier.INTRA_NODE, self.stats, self.timeout)
+        for name, lists in tiers.items():
+            self._split(name, lists)
+
+    def _split(self, name: str, lists: list[list[int]]) -> NcclTransport | None:
+        mine = self._mine(lists)
+        color, key = (mine[0], mine[1]) if mine is not None else (-1, 0)
+        if mine is not None:
+            self.group_ranks[name] = mine[2]
+        cap = self.exchange_max_ctas if name in EXCHANGE_GROUPS else None
+        t = self._root.split(color, key, self.tier(name) if mine is not None else None, max_ctas=cap)
+        if t is not None:
+            self._native[name] = t
+        return t
+
+    def private_transport(self, name: str, dim: str) -> Transport:
+        """A new transport per group of ``dim`` (this rank's returned), recorded as ``name``:
+        for collectives that must not interleave with the dim's own (collective: every rank calls
+        it, in the same order). A process group, or a split of the native root."""
+        if self.transport_kind is TransportKind.NATIVE:
+            t = self._split(name, self.topology.dim_groups(dim))
+            assert t is not None  # NOTE: every rank is in one group of every dim
+            return t
+        from flcomm.comm.torch_pg import TorchTransport
+
+        mine = self.new_groups(self.topology.dim_groups(dim), name)
+        return TorchTransport(mine, self.tier(name), self.stats, self.timeout)
+
+    def close(self) -> None:
+        """Free the native communicators (the splits, then the root); the process groups are
+        torch.distributed's to destroy. Nothing for a torch mesh."""
+        for t in [*self._native.values(), *([self._root] if self._native else [])]:
+            t.close()
+        self._native.clear()
 
     def _pg_options(self, name: str) -> Any:
         """On NCCL, the exchange's groups (``fed``, ``replicate_exchange``) get the CTA cap
@@ -132,15 +205,31 @@ class FedMesh:
         if base not in ("shard", "group"):
             raise ValueError(f"base must be 'shard' or 'group', got {base!r}")
         for name in (f"{base}_intra", f"{base}_inter"):
-            if name not in self.groups:
+            if name not in self.groups and name not in self._native:
                 raise ValueError(f"FedMesh has no {name!r} group: build it with hierarchical=True")
         return Hierarchy(self.transport(f"{base}_intra"), self.transport(f"{base}_inter"))
 
-    def transport(self, name: str) -> TorchTransport:
-        """A TorchTransport on group ``name``, counting into this mesh's shared stats."""
+    def transport(self, name: str) -> Transport:
+        """The transport of group ``name``, counting into this mesh's shared stats: a
+        TorchTransport on its process group, or (``transport="native"``) its NcclTransport."""
         from flcomm.comm.torch_pg import TorchTransport
 
+        if self.transport_kind is TransportKind.NATIVE and name in self._native:
+            return self._native[name]
         if name not in self.groups:
             hint = " (the fed dim of an elastic federation is its Federation's transport)" if name == "fed" else ""
             raise KeyError(f"no process group {name!r}; have {sorted(self.groups)}{hint}")
         return TorchTransport(self.groups[name], self.tier(name), self.stats, self.timeout)
+
+
+def _check_native(device_type: str) -> None:
+    """Refuse a native mesh before any group is made: NCCL must load, on the device type its
+    communicators run on."""
+    from flcomm.comm import nccl
+
+    ok, reason = nccl.nccl_available()
+    if not ok:
+        raise RuntimeError(f"Topology.build(transport='native'): {reason}; transport='torch' runs anywhere")
+    if device_type != nccl.device_type():
+        raise ValueError(f"Topology.build(transport='native') runs on {nccl.device_type()!r} devices (NCCL), "
+                         f"got device_type {device_type!r}")

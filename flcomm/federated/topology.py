@@ -201,7 +201,8 @@ class Topology:
 
     def build(self, device_type: str = "cpu", stats: CommStats | None = None,
               timeout: timedelta = DEFAULT_TIMEOUT, hierarchical: bool = True,
-              group_rank: int | None = None, exchange_max_ctas: int | None = EXCHANGE_MAX_CTAS) -> FedMesh:
+              group_rank: int | None = None, exchange_max_ctas: int | None = EXCHANGE_MAX_CTAS,
+              transport: str = "torch") -> FedMesh:
         """Create the DeviceMesh and the process groups (collective: every rank calls it).
 
         ``group_rank``: torch.distributed's world is this rank's federation group only (elastic
@@ -210,7 +211,11 @@ class Topology:
         ``exchange_max_ctas``: on NCCL, the CTAs (SMs) each collective of the FedAvg exchange's
         groups may hold (None: NCCL's default); the groups inside a federation group keep NCCL's
         defaults.
+        ``transport``: what flcomm's own collectives run on (the hooks, FedAvg's exchange):
+        ``"torch"``, torch.distributed's process groups; ``"native"``, flcomm's NCCL communicators
+        (CUDA only), one root per process and every tier split from it. FSDP's DeviceMesh stays on
+        torch's process groups either way.
         """
         from flcomm.federated.mesh import FedMesh  # NOTE: the runtime half; this module stays a description
 
-        return FedMesh(self, device_type, stats, timeout, hierarchical, group_rank, exchange_max_ctas)
+        return FedMesh(self, device_type, stats, timeout, hierarchical, group_rank, exchange_max_ctas, transport)

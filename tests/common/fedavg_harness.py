@@ -28,11 +28,12 @@ def _topology(world: int, F: int, S: int | None = None):
 _MESHES: dict = {}
 
 
-def fed_mesh(world: int, F: int, S: int | None = None):
-    """One FedMesh per topology and process (building one creates many process groups)."""
-    key = (world, F, S)
+def fed_mesh(world: int, F: int, S: int | None = None, transport: str = "torch"):
+    """One FedMesh per topology, transport and process (building one creates many process
+    groups). ``transport="native"`` needs the NCCL stand-in installed (tests/common/fake_nccl.py)."""
+    key = (world, F, S, transport)
     if key not in _MESHES:
-        _MESHES[key] = _topology(world, F, S).build(hierarchical=False)
+        _MESHES[key] = _topology(world, F, S).build(hierarchical=False, transport=transport)
     return _MESHES[key]
 
 
@@ -111,14 +112,16 @@ def fedavg_settings(fk: dict) -> dict:
     return out
 
 
-def run_case(world: int, case: dict) -> float:
-    """Train one configuration with FedAvg and compare with the simulation."""
+def run_case(world: int, case: dict, states: dict | None = None) -> float:
+    """Train one configuration with FedAvg and compare with the simulation; ``states`` (if
+    given) gets the trained full state under ``"state"``. ``case["transport"]``: the mesh's."""
     from flcomm.federated.fedavg import FedAvg
 
     F, E, T, kind = case["F"], case["E"], case["T"], case["kind"]
     model_kw = case.get("model_kw", {})
+    mesh = fed_mesh(world, F, case.get("S"), case.get("transport", "torch"))
     fm, model, opt = build(world, F, case.get("S"), kind, opt=case.get("opt", "adamw"),
-                           lr=case.get("lr", 1e-2), model_kw=model_kw)
+                           lr=case.get("lr", 1e-2), model_kw=model_kw, mesh=mesh)
     fed = FedAvg(model, fm, sync_every=E, optimizer=opt, **fedavg_settings(case.get("fed", {})))
     flags = train(fm, model, opt, fed, range(1, T + 1))
     fed.finish()
@@ -127,7 +130,13 @@ def run_case(world: int, case: dict) -> float:
                    outer=fk.get("outer", "avg"), inner_state=fk.get("inner_state", "keep"),
                    overlap=fk.get("overlap", False), overlap_steps=fk.get("overlap_steps", 1),
                    model_kw=model_kw, fragments=fk.get("fragments", 1))
-    worst = compare(full_state(model, kind), sim[fm.coords.group], f"{case}")
+    state = full_state(model, kind)
+    if states is not None:
+        states["state"] = state
+    tol = {} if fk.get("codec", "none") == "none" else {"rtol": 0.0, "atol": CODEC_TOL[fk["codec"]] * max(
+        (sim[fm.coords.group][n] - make_model(0, **model_kw).state_dict()[n]).abs().max().item()
+        for n in sim[fm.coords.group])}
+    worst = compare(state, sim[fm.coords.group], f"{case}", **tol)
     if F > 1:
         k, K = fk.get("overlap_steps", 1), fk.get("fragments", 1)
         syncs = [t for t in range(1, T + 1) for j in range(K) if (t - j * E // K) % E == 0]

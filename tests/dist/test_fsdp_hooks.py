@@ -119,15 +119,17 @@ def _compare(a: tuple[list[float], list[torch.Tensor]], b: tuple[list[float], li
 
 # ---------------------------------------------------------------- FSDP2
 
-def _fsdp2_runs(rank: int, world: int, local: int, with_compressed: bool, with_hsdp: bool = True) -> dict:
+def _fsdp2_runs(rank: int, world: int, local: int, with_compressed: bool, with_hsdp: bool = True,
+                transport: str = "torch") -> dict:
     from flcomm.collectives.hierarchical import Hierarchy
     from flcomm.federated.strategy import Strategy
     from flcomm.fsdp.fsdp2 import apply_all_reduce_hook, apply_hierarchical_collectives
 
     out: dict = {}
     # FSDP over all ranks, hierarchical over the nodes
-    fm = Strategy.FSDP.topology(world, local).build()
+    fm = Strategy.FSDP.topology(world, local).build(transport=transport)
     hier = fm.hierarchy("shard")
+    out["transports"] = {type(hier.intra).__name__, type(hier.inter).__name__}
     shard_mesh = fm.device_mesh["shard"]
     plain = _fsdp2_model(shard_mesh)
     hooked = _fsdp2_model(shard_mesh, lambda m: apply_hierarchical_collectives(m, hier))
@@ -141,7 +143,8 @@ def _fsdp2_runs(rank: int, world: int, local: int, with_compressed: bool, with_h
     if not with_hsdp:
         return out
     # HSDP: native 2-D mesh vs the 1-D shard mesh plus the replicate all-reduce hook
-    hm = Strategy.HSDP.topology(world, local).build()
+    hm = Strategy.HSDP.topology(world, local).build(transport=transport)
+    out["transports"].add(type(hm.transport("replicate")).__name__)
     native = _fsdp2_model(hm.device_mesh["replicate", "shard"])
     with_hook = _fsdp2_model(hm.device_mesh["shard"], lambda m: apply_all_reduce_hook(m, hm.transport("replicate")))
     ref = (_train(native, rank, world), _full_params(native))
@@ -186,6 +189,26 @@ def test_fsdp2_hierarchical_and_hsdp_hook_2x2(fsdp2_2x2):
         # lossy but close: int8 blocks with error feedback keep the curve within a percent
         dl, dp = r["hsdp_int8"]
         assert dl <= 0.01 * max(r["hsdp_losses"]) and math.isfinite(dp), r["hsdp_int8"]
+
+
+def _fsdp2_native(rank: int, world: int) -> dict:
+    from tests.common import fake_nccl
+
+    with fake_nccl.installed():
+        return _fsdp2_runs(rank, world, 2, True, transport="native")
+
+
+def test_fsdp2_hooks_on_the_native_transport_2x2():
+    """The hierarchical collectives and the (int8 + EF) replicate hook on flcomm's native
+    communicators (the CPU stand-in) against flat FSDP2 and native HSDP on torch's groups."""
+    r = run_distributed(_fsdp2_native, 4, timeout=240)[0]
+    assert r["transports"] == {"NcclTransport"}, r["transports"]
+    dl, dp = r["fsdp2"]
+    assert dl <= LOSS_TOL and dp <= PARAM_TOL and r["inter_bytes"] > 0, r["fsdp2"]
+    dl, dp = r["hsdp"]
+    assert dl <= LOSS_TOL and dp <= PARAM_TOL, r["hsdp"]
+    dl, dp = r["hsdp_int8"]
+    assert dl <= 0.01 * max(r["hsdp_losses"]) and math.isfinite(dp), r["hsdp_int8"]
 
 
 @pytest.mark.timeout(600)

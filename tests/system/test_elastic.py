@@ -29,7 +29,17 @@ MEMBERSHIP_BOUND_S = 5 * (GRACE_S + 1.0)
 
 
 def _train_elastic(rank: int, world: int, E: int, T: int, kill: tuple[int, int, str], overlap: bool,
-                   outer: str) -> dict:
+                   outer: str, transport: str = "torch") -> dict:
+    if transport == "native":
+        from tests.common import fake_nccl
+
+        with fake_nccl.installed():
+            return _train_elastic_on(rank, world, E, T, kill, overlap, outer, transport)
+    return _train_elastic_on(rank, world, E, T, kill, overlap, outer, transport)
+
+
+def _train_elastic_on(rank: int, world: int, E: int, T: int, kill: tuple[int, int, str], overlap: bool,
+                      outer: str, transport: str) -> dict:
     from flcomm.federated.elastic import Federation, GroupLostError
     from flcomm.federated.fedavg import FedAvg
     from flcomm.federated.topology import Topology
@@ -37,8 +47,9 @@ def _train_elastic(rank: int, world: int, E: int, T: int, kill: tuple[int, int, 
 
     timeout = timedelta(seconds=30)
     topo = Topology(world, ranks_per_node=G, group_size=G)
-    mesh = topo.build(timeout=timeout, group_rank=rank)
-    federation = Federation(tdist.STORE, topo, rank, timeout=timeout, grace_s=GRACE_S, stats=mesh.stats)
+    mesh = topo.build(timeout=timeout, group_rank=rank, transport=transport)
+    federation = Federation(tdist.STORE, topo, rank, backend="native" if transport == "native" else "gloo",
+                            timeout=timeout, grace_s=GRACE_S, stats=mesh.stats)
     f = rank // G
     model = make_model(0)
     opt = make_opt(model.parameters(), "adamw", 1e-2)
@@ -65,17 +76,20 @@ def _train_elastic(rank: int, world: int, E: int, T: int, kill: tuple[int, int, 
     params, bufs = averaged_names(model)
     sd = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     return {"params": {n: sd[n].detach().clone() for n in params + bufs}, "events": federation.events,
-            "generation": federation.generation, "groups": list(federation.groups)}
+            "generation": federation.generation, "groups": list(federation.groups),
+            "fed_transport": type(federation.transport).__name__}
 
 
 @pytest.mark.parametrize("case", [
-    # (E, T, rank killed, its step, phase, overlap, outer, the round group 1 is dropped at)
-    (4, 10, 3, 6, "forward", False, "avg", 8),
-    (4, 10, 3, 4, "exchange", True, "nesterov", 4),
-], ids=["killed-in-forward-paper-mode", "killed-during-overlapped-exchange-nesterov"])
+    # (E, T, rank killed, its step, phase, overlap, outer, the round group 1 is dropped at, transport)
+    (4, 10, 3, 6, "forward", False, "avg", 8, "torch"),
+    (4, 10, 3, 4, "exchange", True, "nesterov", 4, "torch"),
+    (4, 10, 3, 4, "exchange", True, "nesterov", 4, "native"),
+], ids=["killed-in-forward-paper-mode", "killed-during-overlapped-exchange-nesterov",
+        "native-killed-during-overlapped-exchange"])
 def test_survivors_equal_the_simulation_without_the_lost_group(case):
-    E, T, kill_rank, kill_step, phase, overlap, outer, dropped = case
-    out = run_distributed(_train_elastic, F * G, E, T, (kill_rank, kill_step, phase), overlap, outer,
+    E, T, kill_rank, kill_step, phase, overlap, outer, dropped, transport = case
+    out = run_distributed(_train_elastic, F * G, E, T, (kill_rank, kill_step, phase), overlap, outer, transport,
                           timeout=90, group_worlds=G, may_die=frozenset({kill_rank}))
     want = simulate(F, G, E, T, outer=outer, overlap=overlap, drop_at={1: dropped})
     lost_group = [r for r in range(F * G) if r // G == 1]
@@ -91,6 +105,7 @@ def test_survivors_equal_the_simulation_without_the_lost_group(case):
             continue
         got = out[r]
         assert got["groups"] == [0, 2, 3] and got["generation"] == 1
+        assert got["fed_transport"] == ("NcclTransport" if transport == "native" else "ProcessGroupTransport")
         ev = got["events"]
         assert len(ev) == 1 and ev[0]["lost"] == [1] and ev[0]["generation"] == 1
         assert ev[0]["step"] == dropped + (1 if overlap else 0)

@@ -1,0 +1,106 @@
+"""flcomm's native path (``Topology.build(transport="native")``) on the CPU stand-in of its NCCL
+library (tests/common/fake_nccl.py): every tier is a split of one root communicator, with the
+groups of the topology; FedAvg on it gives the bits of ``transport="torch"`` and matches the
+single-process simulation."""
+
+import pytest
+import torch
+
+from flcomm.federated.topology import Topology
+from tests.common.dist import run_distributed
+
+TOPOLOGIES = {"fl-fsdp": Topology(8, 2, group_size=4), "fl-hsdp": Topology(8, 2, group_size=4, shard_size=2)}
+TIERS = ("fed", "replicate", "shard", "group", "shard_intra", "shard_inter", "group_intra", "group_inter")
+
+
+def _tiers(rank, world):
+    from flcomm.comm.base import EXCHANGE_MAX_CTAS
+    from flcomm.comm.nccl import NcclTransport
+    from tests.common import fake_nccl
+
+    out = {}
+    with fake_nccl.installed():
+        for kind, topo in TOPOLOGIES.items():
+            fm = topo.build("cpu", transport="native")
+            for name in TIERS:
+                t = fm.transport(name)
+                x = torch.tensor([float(rank)])
+                t.all_reduce(x)
+                out[kind, name] = (type(t) is NcclTransport, x.item(), t.size, t.comm.max_ctas, fm.tier(name).value)
+            rep = fm.private_transport("replicate_exchange", "replicate")
+            out[kind, "replicate_exchange"] = (type(rep) is NcclTransport, rep.size, rep.comm.max_ctas)
+            out[kind, "cap"] = EXCHANGE_MAX_CTAS
+            # NOTE: FSDP's mesh stays on torch's process groups
+            out[kind, "device_mesh"] = fm.device_mesh.get_group("shard") is fm.groups["shard"]
+            fm.close()
+    return out
+
+
+def _expected_ranks(topo: Topology, name: str, rank: int) -> list[int]:
+    if name in ("fed", "replicate", "shard", "group"):
+        lists = topo.dim_groups(name)
+    else:
+        base, part = name.split("_")
+        lists = [g for ranks in topo.dim_groups(base) for g in topo.node_split(ranks)[part == "inter"]]
+    return next(g for g in lists if rank in g)
+
+
+def test_native_mesh_splits_every_tier_from_one_root():
+    res = run_distributed(_tiers, 8, timeout=180)
+    for rank, out in enumerate(res):
+        for kind, topo in TOPOLOGIES.items():
+            cap = out[kind, "cap"]
+            for name in TIERS:
+                native, total, size, max_ctas, _ = out[kind, name]
+                ranks = _expected_ranks(topo, name, rank)
+                assert native and size == len(ranks) and total == sum(ranks), (rank, kind, name, out[kind, name])
+                # NOTE: only the exchange's communicator holds few CTAs; the group's keep NCCL's default
+                assert max_ctas == (cap if name == "fed" else 0), (kind, name, max_ctas)
+            assert out[kind, "replicate_exchange"] == (True, topo.num_replicas, cap)
+            assert out[kind, "device_mesh"]
+            assert out[kind, "fed"][4] == "inter_group" and out[kind, "group_inter"][4] == "inter_node"
+
+
+CASES = [
+    dict(kind="fsdp2", F=2, E=2, T=6, fed={"codec": "none", "error_feedback": False}),
+    dict(kind="fsdp2", F=2, E=4, T=9, fed={"codec": "none", "error_feedback": False, "overlap": True,
+                                          "overlap_steps": 1, "fragments": 2}),
+    dict(kind="fsdp2", F=2, E=4, T=9, fed={"codec": "int8", "error_feedback": True, "overlap": True,
+                                          "overlap_steps": 1, "fragments": 2}),
+    dict(kind="fsdp1", F=2, E=2, T=5, fed={"codec": "none", "error_feedback": False}),
+    dict(kind="plain", F=4, E=2, T=5, fed={"codec": "none", "error_feedback": False, "offload": "cpu"}),
+    # FL+HSDP with the sharded exchange (its private replicate communicator)
+    dict(kind="fsdp2", F=2, S=1, E=2, T=5, fed={"codec": "int8", "error_feedback": True}),
+]
+
+
+def _native_vs_torch(rank, world, cases):
+    from flcomm.comm.base import LinkTier
+    from tests.common import fake_nccl
+    from tests.common.fedavg_harness import fed_mesh, run_case
+
+    out = []
+    with fake_nccl.installed():
+        for case in cases:
+            got = {}
+            for transport in ("torch", "native"):
+                st: dict = {}
+                fm = fed_mesh(world, case["F"], case.get("S"), transport)
+                fm.stats.reset()
+                run_case(world, {**case, "transport": transport}, st)
+                got[transport] = (st["state"], fm.stats.bytes(LinkTier.INTER_GROUP), type(fm.transport("fed")).__name__)
+            same = all(torch.equal(got["torch"][0][n], got["native"][0][n]) for n in got["torch"][0])
+            out.append((same, got["torch"][1], got["native"][1], got["native"][2]))
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_fedavg_on_the_native_path_gives_torchs_bits():
+    """Every case: matches the simulation (run_case), and the native run's parameters are the
+    torch run's bit for bit, with the same inter-group bytes."""
+    res = run_distributed(_native_vs_torch, 4, CASES, timeout=500)
+    for rank, out in enumerate(res):
+        for case, (same, torch_bytes, native_bytes, kind) in zip(CASES, out):
+            assert kind == "NcclTransport", (case, kind)
+            assert same, (rank, case)
+            assert native_bytes == torch_bytes > 0, (rank, case, torch_bytes, native_bytes)
