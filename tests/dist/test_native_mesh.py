@@ -104,3 +104,55 @@ def test_fedavg_on_the_native_path_gives_torchs_bits():
             assert kind == "NcclTransport", (case, kind)
             assert same, (rank, case)
             assert native_bytes == torch_bytes > 0, (rank, case, torch_bytes, native_bytes)
+
+
+def _stand_in_semantics(rank, world):
+    """What the native-path tests rely on the stand-in to keep of the real class."""
+    from flcomm.comm import nccl
+    from tests.common import fake_nccl
+
+    out = {}
+    with fake_nccl.installed():
+        t = nccl.NcclTransport.from_group(None)
+        comm = t.comm
+        x, y = torch.full((4,), float(rank + 1)), torch.full((4,), float(10 * (rank + 1)))
+        before = comm.launches
+        with t.group():
+            wx = t.all_reduce(x, async_op=True)
+            wy = t.all_reduce(y, op="avg", async_op=True)
+            out["depth_inside"] = nccl.open_group_depth()
+            out["deferred"] = x.tolist() == [float(rank + 1)] * 4  # NOTE: nothing ran before the group's end
+            try:
+                t.all_reduce(x)  # blocking inside a group: refused
+                out["blocking_refused"] = False
+            except RuntimeError:
+                out["blocking_refused"] = True
+        wx.wait()
+        wy.wait()
+        out["grouped_launches"] = comm.launches - before
+        out["sums"] = (x[0].item(), y[0].item())
+        out["depth_after"] = nccl.open_group_depth()
+        child = t.split(rank % 2, max_ctas=2)
+        out["child"] = (child.size, child.comm.max_ctas, t.comm.max_ctas)
+        none = t.split(-1)
+        out["no_color"] = none is None
+        child.abort()
+        try:
+            child.all_reduce(torch.ones(1))
+            out["after_abort"] = None
+        except RuntimeError as e:
+            out["after_abort"] = str(e)
+        out["parent_ok"] = t.all_reduce(torch.ones(1))[0].item()
+    return out
+
+
+def test_the_stand_in_keeps_the_real_classes_rules():
+    res = run_distributed(_stand_in_semantics, 2, timeout=60)
+    for rank, out in enumerate(res):
+        assert out["depth_inside"] == 1 and out["depth_after"] == 0
+        assert out["deferred"] and out["blocking_refused"]
+        assert out["grouped_launches"] == 1  # NOTE: one launch for the group's two collectives
+        assert out["sums"] == (1.0 + 2.0, (10.0 + 20.0) / 2)
+        assert out["child"] == (1, 2, 0) and out["no_color"]
+        assert "was aborted (abort() was called)" in out["after_abort"]
+        assert out["parent_ok"] == 2.0
