@@ -2,8 +2,9 @@
 flat vs hierarchical (intra-node stage, then inter-node stage), plus the compressed two-hop
 all-reduce, over a size sweep.
 
-For each transport (``torch``: torch.distributed process groups; ``native``: flcomm's NCCL
-communicator), collective and size:
+For each transport (``--transport torch``, the default: torch.distributed process groups, i.e.
+ProcessGroupNCCL on GPUs; ``native``: flcomm's NCCL communicators, ``NcclTransport.from_group``;
+``both``: the two in one run, then a side-by-side table), collective and size:
 
   1. fill the input with small integers (rank-dependent), so every sum is exact in any dtype
      and ``error`` is the max |result - exact| computed locally (0 for a correct collective);
@@ -24,12 +25,14 @@ Usage::
     python bench/collectives.py --nproc 8 --ranks-per-node 4 --collectives all_reduce --codecs int8 bf16
     # a GPU cluster, NCCL: the torch.distributed and the native transport side by side
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        bench/collectives.py --transport torch native -b 1M -e 1G -f 4 --json coll.json
+        bench/collectives.py --transport both -b 1M -e 1G -f 4 --json coll.json
 
 The output table has one row per (collective, algo, size); ``--json PATH`` writes the same rows
 as a list of records (``bench/common.py`` :class:`Record`: collective, algo, transport, world,
 size_bytes, dtype, time_us, algbw_gbps, busbw_gbps, wire_bytes, max_err, ...). The last lines
-compare hierarchical to flat busbw per collective at the largest size.
+compare hierarchical to flat busbw per collective at the largest size; with both transports, a
+table puts torch's and the native time / algbw / busbw side by side per row. ``native`` where
+NCCL cannot run (no GPU, a build without NCCL) exits with status 2 and one line saying why.
 """
 
 from __future__ import annotations
@@ -60,16 +63,33 @@ from bench.common import (  # noqa: E402
 COLLECTIVES = ("reduce_scatter", "all_gather", "all_reduce")
 
 
+def _refuse(why: str) -> None:
+    """One line on stderr, exit status 2 (a usage error: nothing was measured)."""
+    print(f"bench/collectives.py: {' '.join(why.split())}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _require_native() -> type:
-    """The NcclTransport class, or SystemExit saying why the native transport cannot run."""
+    """The NcclTransport class; exits with status 2 and nccl_available()'s reason where the native
+    transport cannot run."""
     try:
         from flcomm.comm.nccl import NcclTransport, nccl_available
     except ImportError as e:
-        raise SystemExit(f"--transport native: flcomm.comm.nccl cannot be imported ({e})") from e
+        _refuse(f"--transport native: flcomm.comm.nccl cannot be imported ({e})")
     ok, reason = nccl_available()
     if not ok:
-        raise SystemExit(f"--transport native is unavailable here: {reason}")
+        _refuse(f"--transport native is unavailable here: {reason}")
     return NcclTransport
+
+
+def transport_names(given: list[str]) -> list[str]:
+    """--transport's values in order, ``both`` = torch then native, each once."""
+    out: list[str] = []
+    for name in given:
+        for n in (("torch", "native") if name == "both" else (name,)):
+            if n not in out:
+                out.append(n)
+    return out
 
 
 def make_transports(name: str, env: Env, mesh, stats) -> dict[str, object]:
@@ -82,7 +102,7 @@ def make_transports(name: str, env: Env, mesh, stats) -> dict[str, object]:
     if name == "native":
         NcclTransport = _require_native()
         if env.device.type != "cuda":
-            raise SystemExit("--transport native needs GPUs (run under torchrun with the nccl backend)")
+            _refuse("--transport native needs GPUs (run under torchrun with the nccl backend)")
         return {k: NcclTransport.from_group(mesh.groups[g], mesh.tier(g), stats, env.timeout)
                 for k, g in groups.items()}
     raise SystemExit(f"--transport must be torch or native, got {name!r}")
@@ -177,6 +197,7 @@ def run(env: Env, args: argparse.Namespace) -> None:
                         _compressed_rows(env, args, flat, count, measure)
 
         _ratios(records, tname, say)
+    _side_by_side(records, say)
     if env.rank == 0 and args.json:
         write_json(args.json, records)
         say(f"# wrote {len(records)} records to {args.json}")
@@ -222,10 +243,43 @@ def _ratios(records: list[Record], tname: str, say) -> None:
                     f"logical busbw {r.busbw_gbps / max(1e-12, f.busbw_gbps):.2f}x, max err {r.max_err:.2e}")
 
 
+SIDE_HEADER = (f"#{'collective':>15} {'algo':>14} {'size':>11} {'count':>11} {'type':>8} "
+               f"{'torch time':>11} {'algbw':>8} {'busbw':>8} {'native time':>12} {'algbw':>8} {'busbw':>8} "
+               f"{'native/torch':>12}\n"
+               f"#{'':>15} {'':>14} {'(B)':>11} {'(elements)':>11} {'':>8} "
+               f"{'(us)':>11} {'(GB/s)':>8} {'(GB/s)':>8} {'(us)':>12} {'(GB/s)':>8} {'(GB/s)':>8} {'busbw':>12}")
+
+
+def side_by_side_rows(records: list[Record]) -> list[str]:
+    """One line per (collective, algo, size) measured on both transports: the nccl-tests columns
+    of torch's ProcessGroupNCCL and of flcomm's NcclTransport, and the native/torch busbw ratio."""
+    by = {(r.collective, r.algo, r.size_bytes, r.transport): r for r in records}
+    lines = []
+    for r in records:
+        if r.transport != "torch" or (r.collective, r.algo, r.size_bytes, "native") not in by:
+            continue
+        n = by[(r.collective, r.algo, r.size_bytes, "native")]
+        ratio = n.busbw_gbps / r.busbw_gbps if r.busbw_gbps > 0 else float("nan")
+        lines.append(f" {r.collective:>15} {r.algo:>14} {r.size_bytes:>11} {r.count:>11} {r.dtype:>8} "
+                     f"{r.time_us:>11.1f} {r.algbw_gbps:>8.3f} {r.busbw_gbps:>8.3f} "
+                     f"{n.time_us:>12.1f} {n.algbw_gbps:>8.3f} {n.busbw_gbps:>8.3f} {ratio:>12.2f}")
+    return lines
+
+
+def _side_by_side(records: list[Record], say) -> None:
+    lines = side_by_side_rows(records)
+    if lines:
+        say(f"#\n# side by side: torch (ProcessGroupNCCL / gloo) vs native (flcomm NcclTransport)\n{SIDE_HEADER}")
+        for line in lines:
+            say(line)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
-    p.add_argument("--transport", nargs="+", choices=("torch", "native"), default=["torch"])
+    p.add_argument("--transport", nargs="+", choices=("torch", "native", "both"), default=["torch"],
+                   help="torch: torch.distributed (ProcessGroupNCCL on GPUs); native: flcomm's NcclTransport; "
+                        "both: the two side by side")
     p.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES))
     p.add_argument("--algos", nargs="+", choices=("flat", "hierarchical"), default=["flat", "hierarchical"])
     p.add_argument("--codecs", nargs="*", default=None,
@@ -236,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.codecs is None:
         args.codecs = ["int8"]
     args.codecs = [c for c in args.codecs if c != "none"]
+    args.transport = transport_names(args.transport)
     if "native" in args.transport:  # fail before starting any rank
         _require_native()
     launch(args, run)

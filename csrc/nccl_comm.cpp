@@ -6,6 +6,7 @@
 #include "nccl_comm.h"
 
 #include "common.h"
+#include "info.h"
 
 #include <c10/util/Exception.h>
 
@@ -37,6 +38,10 @@ static_assert(kNcclUniqueIdBytes == NCCL_UNIQUE_ID_BYTES, "ncclUniqueId size cha
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 24, 0)
 #define FLCOMM_NCCL_HAS_FP8 1
 #endif
+// NOTE: ncclConfig_t.CTAPolicy and the NCCL_CTA_POLICY_* values came with NCCL 2.27.
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0) && defined(NCCL_CTA_POLICY_DEFAULT)
+#define FLCOMM_NCCL_HAS_CTA_POLICY 1
+#endif
 
 struct NcclCommState {
   ncclComm_t comm = nullptr;
@@ -44,6 +49,8 @@ struct NcclCommState {
   int size = 0;
   int device = 0;
   double timeout_s = 300.0;
+  int max_ctas = 0;     // the split's ncclConfig_t.maxCTAs; 0: NCCL's default
+  int cta_policy = -1;  // the split's ncclConfig_t.CTAPolicy; -1: NCCL's default
   // NOTE: atomic so that is_aborted / is_destroyed / repr read them without the mutex, which an
   // abort may hold for as long as the work queued ahead of it takes to drain.
   std::atomic<bool> aborted{false};
@@ -335,7 +342,51 @@ void record_streams(const std::vector<at::Tensor>& tensors, const c10::cuda::CUD
   }
 }
 
+// "2.28.9" for an NCCL_VERSION_CODE (major * 10000 + minor * 100 + patch since NCCL 2.9).
+std::string nccl_version_string(int code) {
+  std::ostringstream os;
+  os << code / 10000 << "." << (code / 100) % 100 << "." << code % 100;
+  return os.str();
+}
+
+// The per-communicator configuration of a split, checked before anything is issued.
+void check_split_config(int max_ctas, int cta_policy) {
+  const char* what = "NcclComm.split";
+  TORCH_CHECK(max_ctas >= 0, what, ": max_ctas must be >= 0 (0 keeps NCCL's default, > 0 caps the new ",
+              "communicator's CTAs), got ", max_ctas);
+  if (cta_policy == -1) return;
+#ifdef FLCOMM_NCCL_HAS_CTA_POLICY
+  const int loaded = nccl_version_loaded();
+  TORCH_CHECK(loaded >= NCCL_VERSION(2, 27, 0), what, ": cta_policy needs NCCL >= 2.27 (ncclConfig_t.CTAPolicy), ",
+              "but the loaded libnccl is ", nccl_version_string(loaded), "; pass cta_policy=-1");
+  std::ostringstream names;
+  for (const auto& [name, value] : nccl_cta_policies()) {
+    if (value == cta_policy) return;
+    names << (names.tellp() > 0 ? ", " : "") << value << " (" << name << ")";
+  }
+  TORCH_CHECK(false, what, ": cta_policy must be -1 (NCCL's default) or one of the NCCL_CTA_POLICY_* values ",
+              names.str(), "; got ", cta_policy);
+#else
+  TORCH_CHECK(false, what, ": cta_policy needs NCCL >= 2.27 (ncclConfig_t.CTAPolicy), but flcomm was compiled ",
+              "against NCCL ", nccl_version_string(NCCL_VERSION_CODE), "; pass cta_policy=-1");
+#endif
+}
+
 }  // namespace
+
+std::vector<std::pair<std::string, int>> nccl_cta_policies() {
+  std::vector<std::pair<std::string, int>> out;
+#ifdef FLCOMM_NCCL_HAS_CTA_POLICY
+  out.emplace_back("default", NCCL_CTA_POLICY_DEFAULT);
+#ifdef NCCL_CTA_POLICY_EFFICIENCY
+  out.emplace_back("efficiency", NCCL_CTA_POLICY_EFFICIENCY);
+#endif
+#ifdef NCCL_CTA_POLICY_ZERO
+  out.emplace_back("zero", NCCL_CTA_POLICY_ZERO);
+#endif
+#endif
+  return out;
+}
 
 NcclCommState::~NcclCommState() {
   // NOTE: never throws and never waits. destroy() is the clean shutdown (finalize, bounded by the
@@ -475,19 +526,29 @@ NcclComm::NcclComm(const std::string& unique_id, int nranks, int rank, int devic
 NcclComm::~NcclComm() = default;  // NOTE: NcclCommState's destructor shuts NCCL down, once no
                                   // work holds the state any more
 
-std::shared_ptr<NcclComm> NcclComm::split(int color, int key, double timeout_s) {
+std::shared_ptr<NcclComm> NcclComm::split(int color, int key, double timeout_s, int max_ctas, int cta_policy) {
   NcclCommState& st = *st_;
+  check_split_config(max_ctas, cta_policy);
   if (timeout_s < 0) timeout_s = st.timeout_s;
   check_no_group("NcclComm.split");
   auto cst = std::make_shared<NcclCommState>();
   cst->device = st.device;
   cst->timeout_s = timeout_s;
+  cst->max_ctas = max_ctas;
+  cst->cta_policy = cta_policy;
   {
     std::lock_guard<std::mutex> lock(st.mu);
     check_alive_locked(st, "NcclComm.split");
     c10::cuda::CUDAGuard guard(st.device);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
+    if (max_ctas > 0) {
+      config.maxCTAs = max_ctas;
+      config.minCTAs = 1;  // NOTE: NCCL's default; NCCL refuses a minCTAs above maxCTAs
+    }
+#ifdef FLCOMM_NCCL_HAS_CTA_POLICY
+    if (cta_policy >= 0) config.CTAPolicy = cta_policy;
+#endif
     // NOTE: with a non-blocking parent, ncclCommSplit writes *newcomm only when its async job
     // ends: the target must outlive this call (heap memory, `cst`), and is read only once the
     // parent's state has left ncclInProgress.
@@ -756,11 +817,15 @@ int NcclComm::rank() const { return st_->rank; }
 int NcclComm::size() const { return st_->size; }
 int NcclComm::device() const { return st_->device; }
 double NcclComm::timeout() const { return st_->timeout_s; }
+int NcclComm::max_ctas() const { return st_->max_ctas; }
+int NcclComm::cta_policy() const { return st_->cta_policy; }
 bool NcclComm::is_aborted() const { return st_->aborted; }
 bool NcclComm::is_destroyed() const { return st_->destroyed; }
 std::string NcclComm::repr() const {
   std::ostringstream os;
   os << "NcclComm(rank=" << st_->rank << ", size=" << st_->size << ", device=cuda:" << st_->device
+     << (st_->max_ctas > 0 ? ", max_ctas=" + std::to_string(st_->max_ctas) : "")
+     << (st_->cta_policy >= 0 ? ", cta_policy=" + std::to_string(st_->cta_policy) : "")
      << (is_aborted() ? ", aborted" : "") << (is_destroyed() ? ", destroyed" : "") << ")";
   return os.str();
 }
@@ -827,7 +892,7 @@ void NcclWork::stream_wait() { no_nccl(); }
 NcclComm::NcclComm(std::shared_ptr<NcclCommState> state) : st_(std::move(state)) {}
 NcclComm::NcclComm(const std::string&, int, int, int, double) { no_nccl(); }
 NcclComm::~NcclComm() = default;
-std::shared_ptr<NcclComm> NcclComm::split(int, int, double) { no_nccl(); }
+std::shared_ptr<NcclComm> NcclComm::split(int, int, double, int, int) { no_nccl(); }
 std::shared_ptr<NcclWork> NcclComm::all_reduce(const at::Tensor&, const std::string&) { no_nccl(); }
 std::shared_ptr<NcclWork> NcclComm::reduce_scatter(const at::Tensor&, const at::Tensor&, const std::string&) {
   no_nccl();
@@ -843,10 +908,13 @@ int NcclComm::rank() const { no_nccl(); }
 int NcclComm::size() const { no_nccl(); }
 int NcclComm::device() const { no_nccl(); }
 double NcclComm::timeout() const { no_nccl(); }
+int NcclComm::max_ctas() const { no_nccl(); }
+int NcclComm::cta_policy() const { no_nccl(); }
 bool NcclComm::is_aborted() const { no_nccl(); }
 bool NcclComm::is_destroyed() const { no_nccl(); }
 std::string NcclComm::repr() const { no_nccl(); }
 int nccl_group_depth() { return 0; }
+std::vector<std::pair<std::string, int>> nccl_cta_policies() { return {}; }
 namespace testing {
 std::shared_ptr<NcclComm> unattached_comm(int, int) { no_nccl(); }
 bool nccl_thread_in_group() { no_nccl(); }

@@ -13,6 +13,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace flcomm {
@@ -66,7 +67,12 @@ class NcclComm {
 
   // ncclCommSplit: ranks passing one `color` form a new communicator, ordered by `key` (ties
   // by rank); color < 0 (NCCL_SPLIT_NOCOLOR) joins none and gets nullptr (None). Collective.
-  std::shared_ptr<NcclComm> split(int color, int key, double timeout_s = -1.0);
+  // The new communicator's own configuration: `max_ctas` > 0 caps the CTAs (SMs) its kernels use
+  // (ncclConfig_t.maxCTAs, minCTAs 1), 0 keeps NCCL's default; `cta_policy` >= 0 sets
+  // ncclConfig_t.CTAPolicy (one of nccl_cta_policies(); NCCL >= 2.27), -1 keeps NCCL's default.
+  // Both are checked before anything is issued.
+  std::shared_ptr<NcclComm> split(int color, int key, double timeout_s = -1.0, int max_ctas = 0,
+                                  int cta_policy = -1);
 
   // Collectives, launched on the current CUDA stream of the communicator's device. `op` is
   // "sum", "avg", "max" or "min"; avg over a one-rank communicator is the input itself, issued as
@@ -111,6 +117,10 @@ class NcclComm {
   int size() const;
   int device() const;
   double timeout() const;
+  // What the communicator was created with: the split's max_ctas / cta_policy (0 / -1: NCCL's
+  // defaults, as for a root communicator).
+  int max_ctas() const;
+  int cta_policy() const;
   bool is_aborted() const;
   bool is_destroyed() const;
   std::string repr() const;
@@ -123,6 +133,10 @@ class NcclComm {
 
 // How many group_start() blocks are open on the calling thread (0 without NCCL). Needs no GPU.
 int nccl_group_depth();
+
+// The CTA policies of the compiled nccl.h (NCCL_CTA_POLICY_* by name, e.g. "efficiency"): the
+// values NcclComm.split accepts as cta_policy. Empty without NCCL or before NCCL 2.27.
+std::vector<std::pair<std::string, int>> nccl_cta_policies();
 
 // Host-logic hooks for tests on machines without a GPU (bound as flcomm._C._testing).
 namespace testing {

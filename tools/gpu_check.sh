@@ -22,7 +22,12 @@
 #   bench_kernels  bench/kernels.py on cuda, int8 and fp8, 256 MiB and 1 GiB, block 256, GB/s
 #                  against a device copy (64 MiB would fit in the H200's L2)
 #   nccl_init      one NCCL init and one-rank all_to_all with NCCL_DEBUG=INFO
-#   pytest_gpu     every gpu / multigpu test but the probes; per-test timeouts (pytest-timeout,
+#   pytest_native  tests/gpu/test_native_gpu.py: a one-rank Topology.build(transport="native") mesh
+#                  and its hooks against transport="torch"; a split's CTA cap in NCCL's init log
+#   bench_coll     bench/collectives.py --transport both on one GPU (torchrun, 1 rank): flat
+#                  all-reduce / reduce-scatter / all-gather at 1M, 16M, 256M, ProcessGroupNCCL and
+#                  flcomm's NcclTransport side by side (nccl-tests columns; bench_collectives.json)
+#   pytest_gpu     every other gpu / multigpu test but the probes; per-test timeouts (pytest-timeout,
 #                  signal method: the run goes on after one), -v output parsed if the XML is missing
 #   pytest_probes  tests/gpu/test_gpu_probes.py
 # Steps marked gpu are skipped (and say why) when the gate finds nothing to run them on; set
@@ -30,7 +35,7 @@
 #
 # Rehearsal without a GPU (tests/system/test_gpu_check.py runs it; the gate fails, as it must):
 #   PY=/path/to/venv/bin/python GPU_CHECK_SKIP_BUILD=1 OUT=/tmp/gpu_check tools/gpu_check.sh
-# Other knobs: GPU_CHECK_SKIP_BENCH=1, GPU_CHECK_WORK (work folder, default build/gpu_check),
+# Other knobs: GPU_CHECK_SKIP_BENCH=1 (both benches), GPU_CHECK_WORK (work folder, default build/gpu_check),
 # GPU_CHECK_TEST_TIMEOUT_S (per test, default 90), GPU_CHECK_MIN_PASSED (default 80% of the
 # single-GPU tests selected). Exit status 0 when summary.json says ok. The device call needs a
 # timeout_s of about 450 (the budget and the packing); pytest, pytest-timeout and hypothesis are
@@ -67,8 +72,8 @@ SUMMARY=tools/gpu_summary.py
 note() { echo "[gpu_check] $*"; }
 
 # ---- the plan: step, nominal seconds (they sum to 400 = 420 - RESERVE_S), needs the GPU ----
-PLAN=(env:15:0 build:170:0 gate:15:0 sass_ftz:15:0 bench_kernels:40:1 nccl_init:15:1 pytest_gpu:75:1
-      pytest_probes:55:1)
+PLAN=(env:15:0 build:160:0 gate:15:0 sass_ftz:10:0 bench_kernels:35:1 nccl_init:10:1 pytest_native:25:1
+      bench_coll:20:1 pytest_gpu:65:1 pytest_probes:45:1)
 declare -A DEADLINE NEEDS_GPU BUDGET_OF
 nominal=0
 for p in "${PLAN[@]}"; do IFS=: read -r _ s _ <<< "$p"; nominal=$((nominal + s)); done
@@ -218,8 +223,16 @@ else
 fi
 
 step nccl_init env NCCL_DEBUG=INFO "$PY" "$SUMMARY" nccl-init
-step pytest_gpu "$PY" -m pytest tests -m "gpu or multigpu" --ignore=tests/gpu/test_gpu_probes.py "${PYTEST_OPTS[@]}" \
-  --junitxml="$WORK/pytest_gpu.xml"
+step pytest_native "$PY" -m pytest tests/gpu/test_native_gpu.py -m "gpu or multigpu" "${PYTEST_OPTS[@]}" \
+  --junitxml="$WORK/pytest_native.xml"
+if [ "${GPU_CHECK_SKIP_BENCH:-0}" = 1 ]; then
+  skip bench_coll "GPU_CHECK_SKIP_BENCH=1" false
+else
+  step bench_coll "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 bench/collectives.py \
+    --transport both --algos flat --codecs none -b 1M -e 256M -f 16 -w 3 -n 20 --json "$WORK/bench_collectives.json"
+fi
+step pytest_gpu "$PY" -m pytest tests -m "gpu or multigpu" --ignore=tests/gpu/test_gpu_probes.py \
+  --ignore=tests/gpu/test_native_gpu.py "${PYTEST_OPTS[@]}" --junitxml="$WORK/pytest_gpu.xml"
 step pytest_probes "$PY" -m pytest tests/gpu/test_gpu_probes.py -m "gpu or multigpu" "${PYTEST_OPTS[@]}" \
   --junitxml="$WORK/pytest_probes.xml"
 

@@ -33,7 +33,7 @@ QUANT_KERNELS = ("quant_blocks_kernel", "dequant_blocks_kernel", "cast_kernel", 
 #: ok needs at least this fraction of the single-GPU tests (gpu-marked, selected) to pass
 MIN_PASSED_FRACTION = 0.8
 #: pytest steps; their junit XML and logs are WORK/<step>.xml and WORK/<step>.log
-PYTEST_STEPS = ("pytest_gpu", "pytest_probes")
+PYTEST_STEPS = ("pytest_native", "pytest_gpu", "pytest_probes")
 TAIL_LINES = 40
 #: the columns of bench/kernels.py's records kept in the summary (all are in logs.tgz)
 BENCH_KEYS = ("kernel", "codec", "block_size", "size_bytes", "gbps", "copy_gbps", "of_copy", "torch_ops_gbps")

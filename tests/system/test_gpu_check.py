@@ -30,7 +30,8 @@ def test_dry_run_plan_fits_the_budget(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     rows = re.findall(r"^\[plan\] (\S+)\s+(\d+) s \(by\s+(\d+) s\)", p.stdout, re.M)
     names = [r[0] for r in rows]
-    assert names == ["env", "build", "gate", "sass_ftz", "bench_kernels", "nccl_init", "pytest_gpu", "pytest_probes"]
+    assert names == ["env", "build", "gate", "sass_ftz", "bench_kernels", "nccl_init", "pytest_native", "bench_coll",
+                     "pytest_gpu", "pytest_probes"]
     budgets = [int(r[1]) for r in rows]
     assert all(b > 0 for b in budgets)
     assert int(rows[-1][2]) == sum(budgets)  # the deadlines are the running sums
@@ -59,7 +60,8 @@ def test_cpu_rehearsal_writes_the_summary_and_the_logs(tmp_path):
     assert ran["env"]["rc"] == 0 and ran["gate"]["rc"] == 2
     skipped = {k["step"]: k["why"] for k in s["skipped"]}
     assert "GPU_CHECK_SKIP_BUILD" in skipped["build"] and "GPU_CHECK_SKIP_BENCH" in skipped["bench_kernels"]
-    for gpu_step in ("nccl_init", "pytest_gpu", "pytest_probes"):
+    assert "GPU_CHECK_SKIP_BENCH" in skipped["bench_coll"]
+    for gpu_step in ("nccl_init", "pytest_native", "pytest_gpu", "pytest_probes"):
         assert "build gate failed" in skipped[gpu_step], skipped
     assert s["tests"]["passed"] == 0 and s["tests"]["min_passed"] >= 1
     with tarfile.open(out / "logs.tgz") as tar:

@@ -83,3 +83,39 @@ def test_cuda_build_registers_every_operator_for_cuda():
         return
     missing = expected - set(info["cuda_kernels"])
     assert not missing, f"CUDA build without CUDA kernels for {missing}"
+
+
+def _guarded_lines(src: str, macro: str) -> list[tuple[int, str, bool]]:
+    """(line number, line, inside `#ifdef macro` / `#if defined(macro)` but not its #else) for
+    every non-preprocessor, non-comment line of ``src``."""
+    stack: list[bool] = []  # per open #if: whether it is the macro's true branch
+    out = []
+    for i, line in enumerate(src.splitlines(), 1):
+        s = line.strip()
+        if s.startswith("#if"):
+            stack.append(s in (f"#ifdef {macro}", f"#if defined({macro})"))
+        elif s.startswith("#else") or s.startswith("#elif"):
+            stack[-1] = False
+        elif s.startswith("#endif"):
+            stack.pop()
+        elif not s.startswith(("#", "//")):
+            out.append((i, line, any(stack)))
+    return out
+
+
+def _code(line: str) -> str:
+    """The line without its string literals and trailing comment (messages may name the field)."""
+    return re.sub(r'"(?:[^"\\]|\\.)*"', '""', line).split("//")[0]
+
+
+def test_cta_policy_compiles_only_against_an_nccl_that_has_it():
+    """ncclConfig_t.CTAPolicy and NCCL_CTA_POLICY_* came with NCCL 2.27: every use in
+    nccl_comm.cpp sits under FLCOMM_NCCL_HAS_CTA_POLICY, so older headers still compile (and
+    split(cta_policy=...) is refused there with the compiled version)."""
+    with open(os.path.join(CSRC, "nccl_comm.cpp")) as f:
+        src = f.read()
+    assert re.search(r"#if NCCL_VERSION_CODE >= NCCL_VERSION\(2, 27, 0\)[^\n]*\n#define FLCOMM_NCCL_HAS_CTA_POLICY 1",
+                     src), "FLCOMM_NCCL_HAS_CTA_POLICY must be defined from NCCL_VERSION_CODE >= 2.27"
+    uses = [(n, line) for n, line, guarded in _guarded_lines(src, "FLCOMM_NCCL_HAS_CTA_POLICY")
+            if re.search(r"\bCTAPolicy\b|NCCL_CTA_POLICY_", _code(line)) and not guarded]
+    assert not uses, f"unguarded uses of the NCCL >= 2.27 CTA policy in csrc/nccl_comm.cpp: {uses}"
