@@ -94,6 +94,8 @@ class RunMetrics:
         if s in Strategy.values() and Strategy.parse(s).federated:
             fed = c.get("fedavg", c)  # NOTE: files written before FedAvgConfig kept its fields at the top
             s += f" E={fed.get('sync_every')} {fed.get('codec')}"
+        if c.get("replicate_codec", "none") != "none":
+            s += f" rep={c['replicate_codec']}" + ("+ef" if c.get("replicate_error_feedback") else "")
         return s
 
     def evals(self) -> list[dict[str, Any]]:
