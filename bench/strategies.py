@@ -27,9 +27,11 @@ Usage (as root, for the emulated cluster)::
     torchrun --nnodes 4 --nproc-per-node 8 ... bench/strategies.py --launcher torchrun --json s.json
 
 Run spec: ``strategy[:E=<int>][:codec=<name>][:G=<int>][:S=<int>][:frag=<K>][:overlap][:hier][:unsharded]``
-(``frag``: streaming fragments, 1/K of the shard every E/K steps; ``hier``: the driver's
-``--hierarchical`` two-stage FSDP collectives; ``unsharded``: FL+HSDP with every replica
-exchanging its whole shard instead of 1/R of it).
+``[:rep=<codec>][:repef]`` (``frag``: streaming fragments, 1/K of the shard every E/K steps; ``hier``:
+the driver's ``--hierarchical`` two-stage FSDP collectives; ``unsharded``: FL+HSDP with every
+replica exchanging its whole shard instead of 1/R of it; ``rep`` / ``repef``: the driver's
+``--replicate-codec`` / ``--replicate-error-feedback``, HSDP's replica all-reduce through
+flcomm's hook in that codec, e.g. ``hsdp:rep=int8:repef``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class RunSpec:
     hierarchical: bool = False
     fragments: int = 1
     unsharded: bool = False
+    replicate_codec: str = "none"
+    replicate_error_feedback: bool = False
 
     @classmethod
     def parse(cls, text: str) -> RunSpec:
@@ -79,7 +83,8 @@ class RunSpec:
         except ValueError as e:
             raise ValueError(f"run spec {text!r}: {e}") from None
         for p in parts[1:]:
-            flags = {"overlap": "overlap", "hier": "hierarchical", "unsharded": "unsharded"}
+            flags = {"overlap": "overlap", "hier": "hierarchical", "unsharded": "unsharded",
+                     "repef": "replicate_error_feedback"}
             if p in flags:
                 kw[flags[p]] = True
                 continue
@@ -87,10 +92,10 @@ class RunSpec:
             try:
                 if key == "E":
                     kw["sync_every"] = int(val)
-                elif key == "codec":
+                elif key in ("codec", "rep"):
                     if val not in CODECS:
                         raise ValueError
-                    kw["codec"] = val
+                    kw["codec" if key == "codec" else "replicate_codec"] = val
                 elif key == "G":
                     kw["group_size"] = int(val)
                 elif key == "S":
@@ -101,12 +106,16 @@ class RunSpec:
                     raise ValueError
             except ValueError:
                 raise ValueError(f"run spec {text!r}: expected E=<int>, codec=<{'|'.join(CODECS)}>, "
-                                 "G=<int>, S=<int>, frag=<int>, overlap, hier or unsharded after the strategy, "
-                                 f"got {p!r}") from None
+                                 f"G=<int>, S=<int>, frag=<int>, rep=<{'|'.join(CODECS)}>, overlap, hier, unsharded "
+                                 f"or repef after the strategy, got {p!r}") from None
         return cls(**kw)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", Strategy.parse(self.strategy))
+
+    def replicate(self) -> dict[str, Any]:
+        """The driver's replicate all-reduce settings (TrainConfig fields)."""
+        return {"replicate_codec": self.replicate_codec, "replicate_error_feedback": self.replicate_error_feedback}
 
     @property
     def federated(self) -> bool:
@@ -122,6 +131,8 @@ class RunSpec:
         if self.federated:
             s += f" E={self.sync_every} {self.codec}" + (" ovl" if self.overlap else "")
             s += (f" frag={self.fragments}" if self.fragments > 1 else "") + (" unsharded" if self.unsharded else "")
+        if self.replicate_codec != "none":
+            s += f" rep={self.replicate_codec}" + ("+ef" if self.replicate_error_feedback else "")
         return s + (" hier" if self.hierarchical else "")
 
     def slug(self) -> str:
@@ -142,6 +153,10 @@ class RunSpec:
             a += ["--shard-size", str(self.shard_size)]
         if self.hierarchical:
             a += ["--hierarchical"]
+        if self.replicate_codec != "none":
+            a += ["--replicate-codec", self.replicate_codec]
+        if self.replicate_error_feedback:
+            a += ["--replicate-error-feedback"]
         return a
 
 
@@ -261,7 +276,8 @@ def run_torchrun(a: argparse.Namespace, specs: list[RunSpec], out_dir: str,
                 log(f"run {i + 1}/{len(specs)}: {spec.label()}")
             t0 = time.perf_counter()
             train(TrainConfig(strategy=spec.strategy.value, fedavg=spec.fedavg(), group_size=spec.group_size,
-                              shard_size=spec.shard_size, hierarchical=spec.hierarchical, metrics=path, **base))
+                              shard_size=spec.shard_size, hierarchical=spec.hierarchical, metrics=path,
+                              **spec.replicate(), **base))
             if rank == 0:
                 results.append(_read(spec, path, time.perf_counter() - t0, None))
         if rank != 0:
@@ -327,13 +343,14 @@ def analyse(a: argparse.Namespace, measured: dict, results: list[RunResult], com
         wl = cm.Workload(params=cfgd["num_params"], tokens_per_rank=tokens_per_step / cfgd["world_size"],
                          compute_s=compute_s, param_bytes=4, grad_bytes=4,
                          allgathers_per_step=effective_allgathers(a.model), fsdp_units=units)
-        plan = cm.Plan(r.spec.strategy, cfgd["group_size"], cfgd["shard_size"], r.spec.fedavg(), r.spec.hierarchical)
+        plan = cm.Plan(r.spec.strategy, cfgd["group_size"], cfgd["shard_size"], r.spec.fedavg(), r.spec.hierarchical,
+                       r.spec.replicate_codec)
         pred = cm.predict(cluster, wl, plan)
         steps_n = len(r.steps)
         rec = {
             "strategy": r.spec.strategy.value, "codec": r.spec.codec if r.spec.federated else "none",
             "sync_every": r.spec.sync_every if r.spec.federated else 1, "overlap": r.spec.overlap,
-            "hierarchical": r.spec.hierarchical, "label": r.spec.label(),
+            "hierarchical": r.spec.hierarchical, "label": r.spec.label(), **r.spec.replicate(),
             "nodes": a.nodes, "ranks_per_node": a.ranks_per_node, "group_size": cfgd["group_size"],
             "shard_size": cfgd["shard_size"], "internode_gbit": cm_gbit(a.rate),
             "model": a.model, "params": cfgd["num_params"], "steps": steps_n,
@@ -360,7 +377,9 @@ def analyse(a: argparse.Namespace, measured: dict, results: list[RunResult], com
     for rec, r in zip(records, results):
         rec["equal_time_s"] = t_equal
         rec["eval_loss_at_equal_time"] = eval_at_time(r.steps, t_equal)
-    base = {rec["strategy"]: rec for rec in records if rec["strategy"] in ("fsdp", "hsdp")}
+    # NOTE: the baselines are FSDP and HSDP as torch runs them (no replicate codec)
+    base = {rec["strategy"]: rec for rec in records
+            if rec["strategy"] in ("fsdp", "hsdp") and rec["replicate_codec"] == "none"}
     for rec in records:
         for b in ("fsdp", "hsdp"):
             rec[f"speedup_vs_{b}"] = rec["tokens_per_s"] / base[b]["tokens_per_s"] if b in base else None

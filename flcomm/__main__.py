@@ -16,9 +16,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "info":
         from flcomm.info import build_info, format_info
 
-        info = build_info()
+        info = {**build_info(), "transports": transports()}
         print(json.dumps(info, indent=2) if args.json else format_info(info))
     return 0
+
+
+def transports() -> dict[str, str]:
+    """What ``Topology.build(transport=...)`` can use here: ``torch`` (torch.distributed's process
+    groups) always; ``native`` (flcomm's own NCCL communicators) when an NcclTransport can be
+    built (:func:`flcomm.comm.nccl.nccl_available`), else why not."""
+    # NOTE: here, not in flcomm.info, which the transports' layer sits above
+    from flcomm.comm.nccl import nccl_available
+
+    ok, why = nccl_available()
+    return {"torch": "available (torch.distributed process groups)",
+            "native": f"available ({why})" if ok else f"unavailable: {why}"}
 
 
 if __name__ == "__main__":

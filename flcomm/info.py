@@ -77,6 +77,8 @@ def format_info(info: dict[str, Any]) -> str:
     for k, v in info.items():
         if isinstance(v, list):
             v = ", ".join(map(str, v)) if v else "(none)"
+        elif isinstance(v, dict):
+            v = "; ".join(f"{name}: {what}" for name, what in v.items())
         lines.append(f"{k:<{width}}  {v}")
     return "\n".join(lines)
 

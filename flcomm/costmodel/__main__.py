@@ -15,6 +15,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from flcomm.codecs import CODECS
 from flcomm.costmodel import model as _model
 from flcomm.costmodel.assumptions import (
     ASPECT,
@@ -115,6 +116,9 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--shard-size", type=int, help="S for HSDP variants (default: one node)")
     s.add_argument("--hsdp-group-size", type=int, help="G of FL+HSDP (default: two shards)")
     s.add_argument("--hierarchical", action="store_true", help="in-group collectives intra-node first")
+    s.add_argument("--replicate-codec", default="none",
+                   help=f"codec of the HSDP rows' gradient all-reduce over the replicas (the trainer's flag): "
+                        f"{' | '.join(CODECS)}")
     FedAvgConfig.add_arguments(p.add_argument_group("FedAvg of the table's FL rows (the trainer's flags)"))
     m = p.add_argument_group("modes")
     m.add_argument("--crossover", action="store_true", help="bandwidth-ratio and E crossovers of the FL plans")
@@ -247,7 +251,8 @@ def _build(a: argparse.Namespace, given: set[str]) -> _Setup:
     sources["memory_limit_bytes"] = src.of("memory_gb")
     if a.memory_gb == math.inf:
         how["memory_limit_bytes"] = "--memory-gb inf"
-    return _Setup(cluster, wl, memory, assumptions(cluster, wl, memory, sources, how))
+    sources["replicate_codec"] = src.of("replicate_codec")
+    return _Setup(cluster, wl, memory, assumptions(cluster, wl, memory, sources, how, a.replicate_codec))
 
 
 def _recommend(a: argparse.Namespace, setup: _Setup):
@@ -287,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         setup = _build(a, _given(argv))
         c, wl, mem = setup.cluster, setup.workload, setup.memory_bytes
         preds = predict_strategies(c, wl, a.group_size, a.shard_size, FedAvgConfig.from_args(a), a.hierarchical,
-                                   a.hsdp_group_size)
+                                   a.hsdp_group_size, a.replicate_codec)
         rec = _recommend(a, setup) if a.recommend else None
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from flcomm.comm.base import format_bytes
-from flcomm.costmodel.model import GBIT, Cluster, Link, Workload
+from flcomm.costmodel.model import GBIT, Cluster, Link, Workload, codec_nbytes
 from flcomm.validate import integer, number
 
 __all__ = [
@@ -116,17 +116,26 @@ def _link_text(name: str, link: Link, per: str) -> str:
     return f"{name} {format_bandwidth(link.bandwidth)} per {per}, latency {link.latency * 1e6:g} us per ring step"
 
 
+def _replicate_text(codec: str, grad_bytes: int) -> str:
+    if codec == "none":
+        return f"HSDP replicas all-reduce gradients in {grad_bytes} B per element (FSDP's own)"
+    per = codec_nbytes(codec, 1 << 20) / (1 << 20)
+    return f"HSDP replicas all-reduce gradients in {codec}, {per:.4g} B per element with its scales (flcomm's hook)"
+
+
 def assumptions(cluster: Cluster, workload: Workload, memory_bytes: float | None,
-                sources: dict[str, str] | None = None, how: dict[str, str] | None = None) -> list[Assumption]:
-    """Every setting of ``cluster`` and ``workload`` (and the memory limit) that the answer
-    depends on. ``sources``: key -> where the value came from (default "default"); ``how``:
-    key -> how it was derived, appended to its text."""
+                sources: dict[str, str] | None = None, how: dict[str, str] | None = None,
+                replicate_codec: str = "none") -> list[Assumption]:
+    """Every setting of ``cluster`` and ``workload`` (and the memory limit, and the HSDP rows'
+    replicate codec) that the answer depends on. ``sources``: key -> where the value came from
+    (default "default"); ``how``: key -> how it was derived, appended to its text."""
     src, how = sources or {}, how or {}
     w, c = workload, cluster
     rows = [
         ("compute_s", w.compute_s, f"compute {w.compute_s:.4g} s per step", "--compute-s / --tflops --mfu"),
         ("param_bytes", w.param_bytes, f"parameters all-gathered in {w.param_bytes} B per element", "--param-bytes"),
         ("grad_bytes", w.grad_bytes, f"gradients reduce-scattered in {w.grad_bytes} B per element", "--grad-bytes"),
+        ("replicate_codec", replicate_codec, _replicate_text(replicate_codec, w.grad_bytes), "--replicate-codec"),
         ("allgathers_per_step", w.allgathers_per_step,
          f"{w.allgathers_per_step:g} parameter all-gathers per step (forward and backward)", "--allgathers-per-step"),
         ("fsdp_units", w.fsdp_units, f"FSDP units {w.fsdp_units}, each collective issued once per unit",

@@ -37,7 +37,8 @@ One training step of a rank (P ranks, L per node, federation groups of G ranks, 
 ranks, R = G / S replicas, F = P / G groups, N parameters)::
 
     inner  = a * AG(N * param_bytes over S) + RS(N * grad_bytes over S)
-             [+ AR(N * grad_bytes / S over R), HSDP replicas]
+             [+ AR(N * grad_bytes / S over R), HSDP replicas;
+                AR(codec bytes of N / S elements over R) with a replicate codec]
     fed    = AR_codec(N / S elements over F), once every E steps (FL only)
     step   = compute + inner - min(fsdp_overlap * inner, compute) + exposed(fed) / E
     exposed(fed) = fed without overlap; max(0, fed - overlap_steps * compute) with overlap
@@ -45,7 +46,9 @@ ranks, R = G / S replicas, F = P / G groups, N parameters)::
 ``a`` = all-gathers per step (2: forward and backward with resharding). The FedAvg exchange
 is a compressed two-hop all-reduce whose wire bytes equal a ring all-reduce of the encoded
 buffer, whose size the codec itself reports (``Codec.encoded_nbytes``: none 4 bytes per element,
-bf16/fp16 2, int8/fp8 1 plus a 4-byte scale per block).
+bf16/fp16 2, int8/fp8 1 plus a 4-byte scale per block). A replicate codec (``Plan.replicate_codec``,
+the driver's ``--replicate-codec``: flcomm's hook all-reduces HSDP's gradient shards over the
+replicas in two hops) sends that encoding instead of ``grad_bytes`` per element.
 
 CLI (bandwidths as 400GB/s, 3200Gbit/s, 100gbit, or a bare number in Gbit/s; it prints every
 assumption first, and --recommend needs --memory-gb)::
@@ -74,7 +77,7 @@ from flcomm.validate import integer, number
 __all__ = [
     "GBIT", "PRESETS", "Cluster", "Link", "Plan", "Prediction", "Strategy", "Workload", "codec_nbytes",
     "collective_time", "compute_time_from_flops", "fedavg_shard_copies", "memory_per_rank", "predict",
-    "predict_strategies", "speedup",
+    "predict_strategies", "replicate_bytes", "speedup",
 ]
 
 GBIT = 1e9 / 8  # bytes/s in one Gbit/s
@@ -215,16 +218,23 @@ class Plan:
     strategy's (:meth:`Strategy.topology`); ``fedavg`` is the FedAvg exchange's
     :class:`~flcomm.federated.config.FedAvgConfig` (the same object FedAvg takes: E, the codec,
     overlap k, fragments K, the sharded FL+HSDP exchange, the buffers it keeps), ignored by fsdp
-    and hsdp; ``hierarchical`` makes in-group collectives that span nodes go intra-node first."""
+    and hsdp; ``hierarchical`` makes in-group collectives that span nodes go intra-node first;
+    ``replicate_codec`` (hsdp, fl-hsdp): the codec of the gradients' all-reduce over the replicas
+    (``"none"``: FSDP's own, in ``grad_bytes`` per element)."""
 
     strategy: Strategy | str
     group_size: int | None = None
     shard_size: int | None = None
     fedavg: FedAvgConfig = field(default_factory=FedAvgConfig)
     hierarchical: bool = False
+    replicate_codec: str = "none"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", Strategy.parse(self.strategy))
+        object.__setattr__(self, "replicate_codec", get_codec(self.replicate_codec).name)
+        if self.replicate_codec != "none" and not self.strategy.hybrid:
+            raise ValueError(f"replicate_codec {self.replicate_codec!r} compresses the all-reduce over the replicas; "
+                             f"expected strategy hsdp or fl-hsdp, got {self.strategy.value}")
         if not isinstance(self.fedavg, FedAvgConfig):
             raise TypeError(f"fedavg must be a FedAvgConfig, got {type(self.fedavg).__name__}")
         for name in ("group_size", "shard_size"):
@@ -247,13 +257,14 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"strategy": self.strategy.value, "group_size": self.group_size, "shard_size": self.shard_size,
-                "fedavg": self.fedavg.to_dict(), "hierarchical": self.hierarchical}
+                "fedavg": self.fedavg.to_dict(), "hierarchical": self.hierarchical,
+                "replicate_codec": self.replicate_codec}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
         """The plan of a :meth:`to_dict` record."""
         return cls(d["strategy"], d.get("group_size"), d.get("shard_size"), FedAvgConfig.from_dict(d["fedavg"]),
-                   bool(d.get("hierarchical", False)))
+                   bool(d.get("hierarchical", False)), d.get("replicate_codec", "none"))
 
     def label(self) -> str:
         s = self.strategy.value
@@ -264,7 +275,7 @@ class Plan:
             s += f" frag={self.fragments}" if self.fragments > 1 else ""
             s += " unsharded" if self.sharded_exchange is False and self.strategy.hybrid else ""
         if self.strategy.hybrid:
-            s += f" S={self.shard_size}"
+            s += f" S={self.shard_size}" + (f" rep={self.replicate_codec}" if self.replicate_codec != "none" else "")
         return s
 
 
@@ -427,6 +438,14 @@ def memory_per_rank(workload: Workload, plan: Plan, shard_size: int) -> dict[str
             "fedavg": fed, "activations": workload.activation_bytes}
 
 
+def replicate_bytes(plan: Plan, workload: Workload, numel: float) -> float:
+    """Bytes of one replicate all-reduce of ``numel`` gradient elements: ``grad_bytes`` each, or
+    the replicate codec's encoding of them (:func:`codec_nbytes`)."""
+    if plan.replicate_codec == "none":
+        return numel * workload.grad_bytes
+    return float(codec_nbytes(plan.replicate_codec, int(math.ceil(numel))))
+
+
 def _exchange(cluster: Cluster, plan: Plan, N: float, G: int, S: int, F: int, R: int,
               per_step: dict[str, float]) -> float:
     """Time of one FedAvg exchange (one fragment of the N / S shard), adding its bytes per step.
@@ -470,7 +489,8 @@ def predict(cluster: Cluster, workload: Workload, plan: Plan) -> Prediction:
       2. in-group cost: ``a`` all-gathers of N * param_bytes and one reduce-scatter of
          N * grad_bytes over the S ranks of a shard group (stride 1); HSDP adds the all-reduce
          of the N / S gradient shard over the R replicas (stride S); each issued once per FSDP
-         unit on 1/units of the buffer;
+         unit on 1/units of the buffer; with a replicate codec that all-reduce carries the codec's
+         encoding of the unit's N / S / units elements (:func:`replicate_bytes`);
       3. FL: one FedAvg exchange = all-reduce of the codec's encoding of the N / S shard over F
          groups (stride G, inter-group link), amortized over E steps (:func:`_exchange`: K
          fragments, the sharded FL+HSDP exchange); with overlap only what does not fit behind
@@ -495,7 +515,8 @@ def predict(cluster: Cluster, workload: Workload, plan: Plan) -> Prediction:
     inner += U * t
     _add(per_step, b, U)
     if R > 1:
-        t, b = collective_time("all_reduce", N * workload.grad_bytes / S / U, R, cluster, stride=S, hierarchical=h)
+        t, b = collective_time("all_reduce", replicate_bytes(plan, workload, N / S / U), R, cluster, stride=S,
+                               hierarchical=h)
         inner += U * t
         _add(per_step, b, U)
     fed = _exchange(cluster, plan, N, G, S, F, R, per_step) if F > 1 else 0.0
@@ -515,16 +536,17 @@ def predict(cluster: Cluster, workload: Workload, plan: Plan) -> Prediction:
 
 def predict_strategies(cluster: Cluster, workload: Workload, group_size: int | None = None,
                        shard_size: int | None = None, fedavg: FedAvgConfig | None = None, hierarchical: bool = False,
-                       hsdp_group_size: int | None = None) -> list[Prediction]:
+                       hsdp_group_size: int | None = None, replicate_codec: str = "none") -> list[Prediction]:
     """FSDP, HSDP, FL+FSDP and FL+HSDP with one set of knobs, as the driver would run them:
     ``group_size`` (G) for both FL strategies (FL+HSDP: ``hsdp_group_size`` when given),
     ``shard_size`` (S) for the HSDP ones; None takes the strategy's default
-    (:mod:`flcomm.federated.strategy`). A strategy the cluster is too small for (one group, or
-    one replica) is left out."""
+    (:mod:`flcomm.federated.strategy`); ``replicate_codec`` for the HSDP ones. A strategy the
+    cluster is too small for (one group, or one replica) is left out."""
     plans = [Plan(Strategy.FSDP, hierarchical=hierarchical),
-             Plan(Strategy.HSDP, shard_size=shard_size, hierarchical=hierarchical),
+             Plan(Strategy.HSDP, shard_size=shard_size, hierarchical=hierarchical, replicate_codec=replicate_codec),
              Plan(Strategy.FL_FSDP, group_size, None, fedavg or FedAvgConfig(), hierarchical),
-             Plan(Strategy.FL_HSDP, hsdp_group_size or group_size, shard_size, fedavg or FedAvgConfig(), hierarchical)]
+             Plan(Strategy.FL_HSDP, hsdp_group_size or group_size, shard_size, fedavg or FedAvgConfig(), hierarchical,
+                  replicate_codec)]
     out = []
     for plan in plans:
         try:

@@ -18,8 +18,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from flcomm.codecs import CODECS
 from flcomm.federated.config import FedAvgConfig
-from flcomm.train.config import NAN_POLICIES, STRATEGIES, TrainConfig
+from flcomm.train.config import NAN_POLICIES, STRATEGIES, TRANSPORTS, TrainConfig
 from flcomm.train.model import PRESETS
 
 _SUBCOMMANDS = ("train", "compare", "plot", "rank")
@@ -39,6 +40,13 @@ def _add_common(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g.add_argument("--hierarchical", action=argparse.BooleanOptionalAction, default=d.hierarchical,
                    help="FSDP reduce-scatter / all-gather in two stages (intra-node, then inter-node) "
                         "when the shard group spans nodes")
+    h = p.add_argument_group("replicate all-reduce (hsdp, fl-hsdp)")
+    h.add_argument("--replicate-codec", default=d.replicate_codec,
+                   help=f"the gradients' all-reduce over the R replicas in this codec, through flcomm's hook "
+                        f"(FSDP2): {' | '.join(CODECS)} (none: FSDP2's own all-reduce)")
+    h.add_argument("--replicate-error-feedback", action=argparse.BooleanOptionalAction,
+                   default=d.replicate_error_feedback,
+                   help="keep what the replicate codec dropped and add it to the next step's gradient")
     FedAvgConfig.add_arguments(p.add_argument_group("FedAvg (fl-fsdp, fl-hsdp)"), d.fedavg)
     e = p.add_argument_group("elastic federation (fl-fsdp, fl-hsdp)")
     e.add_argument("--elastic", action=argparse.BooleanOptionalAction, default=d.elastic,
@@ -74,6 +82,9 @@ def _add_common(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     a.add_argument("--eval-batches", type=int, default=d.eval_batches)
     r = p.add_argument_group("runtime")
     r.add_argument("--backend", default=d.backend, help="auto | gloo | nccl")
+    r.add_argument("--transport", default=d.transport,
+                   help=f"{' | '.join(TRANSPORTS)}: flcomm's collectives (hierarchical hooks, replicate hook, FedAvg) "
+                        "on torch.distributed's process groups or on flcomm's own NCCL communicators")
     r.add_argument("--timeout-s", type=float, default=d.timeout_s,
                    help="timeout of every collective, in seconds (a dead or frozen rank is detected within it)")
     r.add_argument("--nan-policy", default=d.nan_policy,

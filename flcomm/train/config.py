@@ -7,6 +7,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from flcomm.codecs import CODECS
 from flcomm.federated.config import FedAvgConfig
 from flcomm.federated.strategy import Strategy
 from flcomm.federated.topology import Topology
@@ -15,6 +16,7 @@ from flcomm.validate import integer, number
 
 STRATEGIES = Strategy.values()
 NAN_POLICIES = ("stop", "skip-step")
+TRANSPORTS = ("torch", "native")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,13 @@ class TrainConfig:
     # hierarchical FSDP collectives (intra-node stage, then inter-node) for a shard group that
     # spans nodes; a no-op when it does not
     hierarchical: bool = False
+    # HSDP / FL+HSDP: the gradients' all-reduce over the replicate dim through flcomm's hook
+    # (flcomm.fsdp.apply_all_reduce_hook) in this codec, with error feedback on request; "none":
+    # FSDP2's own all-reduce (native HSDP)
+    replicate_codec: str = "none"
+    replicate_error_feedback: bool = False
+    # flcomm's collectives on torch.distributed's process groups, or on its own NCCL communicators
+    transport: str = "torch"
     # FedAvg: every setting in one object (flcomm.federated.config), its flags made from its fields
     fedavg: FedAvgConfig = field(default_factory=FedAvgConfig)
     # elastic federation (flcomm.federated.elastic)
@@ -92,6 +101,9 @@ class TrainConfig:
         one_of("mixed_precision", ("none", "bf16"))
         one_of("backend", ("auto", "gloo", "nccl"))
         one_of("nan_policy", NAN_POLICIES)
+        one_of("transport", TRANSPORTS)
+        one_of("replicate_codec", CODECS, "replicate codec")
+        self._check_replicate()
         for name in ("steps", "batch_size", "seq_len", "eval_batches"):
             integer(name, getattr(self, name), 1)
         for name in ("eval_every", "save_every", "keep_checkpoints"):
@@ -120,6 +132,25 @@ class TrainConfig:
             raise ValueError(f"fedavg must be a FedAvgConfig, got {type(self.fedavg).__name__}")
         if self.elastic:
             self.fedavg.check_elastic()
+
+    def _check_replicate(self) -> None:
+        """A replicate codec needs a replicate dim (R = G / S > 1: hsdp, fl-hsdp; Strategy.topology
+        refuses one replica for them); error feedback needs a lossy codec."""
+        if self.replicate_codec != "none" and not self.hybrid:
+            raise ValueError(f"--replicate-codec {self.replicate_codec} compresses the all-reduce over the replicate "
+                             f"dim, which strategy {self.strategy} does not have; expected strategy hsdp or fl-hsdp "
+                             f"(R = G / S > 1 replicas), got {self.strategy}")
+        if self.replicate_codec != "none" and self.federated:
+            # NOTE: the hook needs the model sharded over the 'shard' dim alone, and FedAvg's sharding
+            # check (flcomm.federated.checks) wants FL+HSDP's parameters replicated over the
+            # 'replicate' dim by FSDP itself; until it accepts the hook as that replication, say so here
+            raise ValueError(f"--replicate-codec {self.replicate_codec} with strategy {self.strategy}: FedAvg does not "
+                             "yet accept a model whose replicate all-reduce is flcomm's hook (its sharding check "
+                             "expects FSDP2 over ('replicate', 'shard')); expected strategy hsdp, or --replicate-codec "
+                             "none for fl-hsdp")
+        if self.replicate_error_feedback and self.replicate_codec == "none":
+            raise ValueError("--replicate-error-feedback keeps what the replicate codec dropped; expected "
+                             f"--replicate-codec one of {', '.join(c for c in CODECS if c != 'none')}, got none")
 
     @property
     def federated(self) -> bool:

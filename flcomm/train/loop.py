@@ -154,6 +154,19 @@ def progress_bar(total: int, initial: int, desc: str) -> Any:
     return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, file=sys.stderr)
 
 
+def header_line(run: Run) -> str:
+    """The run's first line: strategy, mesh, transport and the replicate all-reduce's codec."""
+    cfg, t = run.cfg, run.topo
+    F, R, S = t.mesh_shape
+    line = (f"flcomm.train: {cfg.strategy} on {t.world_size} ranks ({t.ranks_per_node} per node; F={F} x R={R} x "
+            f"S={S}), backend {run.info['backend']}, transport {cfg.transport}")
+    if R > 1:
+        ef = " + error feedback" if cfg.replicate_error_feedback else ""
+        how = "FSDP2's own" if cfg.replicate_codec == "none" else f"flcomm's hook, {cfg.replicate_codec}{ef}"
+        line += f", replicate all-reduce: {how}"
+    return line
+
+
 class StepLogger:
     """Rank 0's per-step records (metrics JSONL and progress bar): loss, tokens/s, bytes per
     link tier since the last record, exposed FedAvg time; the config record first and the
@@ -174,6 +187,8 @@ class StepLogger:
         # NOTE: cumulative: an elastic run's tokens per step change with its live groups
         self.tokens = run.start_step * run.tokens_per_step
         self.bar = progress_bar(cfg.steps, run.start_step, cfg.strategy) if cfg.progress and run.rank == 0 else None
+        if self._leads():
+            print(header_line(run), file=sys.stderr, flush=True)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start

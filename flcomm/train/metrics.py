@@ -94,6 +94,8 @@ class RunMetrics:
         if s in Strategy.values() and Strategy.parse(s).federated:
             fed = c.get("fedavg", c)  # NOTE: files written before FedAvgConfig kept its fields at the top
             s += f" E={fed.get('sync_every')} {fed.get('codec')}"
+        if c.get("replicate_codec", "none") != "none":
+            s += f" rep={c['replicate_codec']}" + ("+ef" if c.get("replicate_error_feedback") else "")
         return s
 
     def evals(self) -> list[dict[str, Any]]:
@@ -187,12 +189,14 @@ class FsdpTraffic:
       * HSDP: all-reduce of the reduced shard over the R replicas: 2(R-1)/R * B/S.
 
     ``count_shard_dim=False`` leaves out the shard-dim collectives, for when flcomm's
-    hierarchical FSDP hooks run them and count them through their transports.
+    hierarchical FSDP hooks run them and count them through their transports;
+    ``count_replicate_dim=False`` the replicate all-reduce, for when flcomm's replicate hook
+    runs it (``--replicate-codec``) and counts it through its transport.
     """
 
     def __init__(self, units: Iterable[tuple[nn.Module, bool]], mesh: FedMesh,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 count_shard_dim: bool = True) -> None:
+                 count_shard_dim: bool = True, count_replicate_dim: bool = True) -> None:
         F_, R, S = mesh.topology.mesh_shape
         self.stats = mesh.stats
         self.shard_tier = mesh.tier("shard")
@@ -221,7 +225,7 @@ class FsdpTraffic:
                 for _ in range(n_ag):
                     self.records.append((self.shard_tier, wire_bytes("all_gather", numel_padded * pb, S)))
                 self.records.append((self.shard_tier, wire_bytes("reduce_scatter", numel_padded * rb, S)))
-            if R > 1:
+            if R > 1 and count_replicate_dim:
                 self.records.append((self.replicate_tier,
                                      wire_bytes("all_reduce", numel_padded // S * rb, R)))
         self.bytes_per_step = {t: 0 for t in LinkTier}

@@ -56,13 +56,17 @@ def _device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def shard_model(model: Transformer, mesh: FedMesh, mp_policy: Any = None) -> list[tuple[nn.Module, bool]]:
+def shard_model(model: Transformer, mesh: FedMesh, mp_policy: Any = None,
+                replicate_hook: bool = False) -> list[tuple[nn.Module, bool]]:
     """FSDP2 ``fully_shard`` per decoder block (reshard after forward) and on the root (kept
-    unsharded from forward to backward), over the federation group's mesh. Returns the FSDP
+    unsharded from forward to backward), over the federation group's mesh: ("replicate",
+    "shard") with R > 1 replicas, else "shard"; and "shard" alone with ``replicate_hook`` (the
+    replicate all-reduce is then flcomm's hook, :func:`_replicate_hook`). Returns the FSDP
     units, innermost first, with their reshard-after-forward flag."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dm = mesh.device_mesh["shard"] if mesh.topology.num_replicas == 1 else mesh.device_mesh["replicate", "shard"]
+    one_dim = mesh.topology.num_replicas == 1 or replicate_hook
+    dm = mesh.device_mesh["shard"] if one_dim else mesh.device_mesh["replicate", "shard"]
     kw: dict[str, Any] = {"mesh": dm, "mp_policy": mp_policy or MixedPrecisionPolicy()}
     units: list[tuple[nn.Module, bool]] = []
     for block in model.layers:
@@ -174,9 +178,10 @@ def _build_model(cfg: TrainConfig, mesh: FedMesh, device: torch.device) -> tuple
     use_meta = cfg.init == "meta" or (cfg.init == "auto" and mcfg.num_params() > 300_000_000)
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if cfg.mixed_precision == "bf16" else MixedPrecisionPolicy())
+    hooked = cfg.replicate_codec != "none"
     if use_meta:
         model = build_model(mcfg, device="meta")
-        units = shard_model(model, mesh, mp)
+        units = shard_model(model, mesh, mp, hooked)
         model.to_empty(device=device)
         # NOTE: every rank draws its own shards from one seed: ranks with the same shard
         # coordinates (the fed peers) get identical values, so all groups start equal.
@@ -185,7 +190,7 @@ def _build_model(cfg: TrainConfig, mesh: FedMesh, device: torch.device) -> tuple
             model.init_weights()
     else:
         model = build_model(mcfg, device="cpu", seed=cfg.seed).to(device)
-        units = shard_model(model, mesh, mp)
+        units = shard_model(model, mesh, mp, hooked)
     topo = mesh.topology
     hierarchical = cfg.hierarchical and len({r // topo.ranks_per_node for r in mesh.group_ranks["shard"]}) > 1
     if hierarchical:
@@ -197,7 +202,21 @@ def _build_model(cfg: TrainConfig, mesh: FedMesh, device: torch.device) -> tuple
     elif cfg.hierarchical and mesh.rank == 0:
         print("flcomm.train: --hierarchical has no effect: the shard group lies inside one node",
               file=sys.stderr, flush=True)
-    return model, FsdpTraffic(units, mesh, mp.param_dtype, mp.reduce_dtype, count_shard_dim=not hierarchical)
+    if hooked:
+        _replicate_hook(cfg, model, mesh)
+    return model, FsdpTraffic(units, mesh, mp.param_dtype, mp.reduce_dtype, count_shard_dim=not hierarchical,
+                              count_replicate_dim=not hooked)
+
+
+def _replicate_hook(cfg: TrainConfig, model: nn.Module, mesh: FedMesh) -> None:
+    """``--replicate-codec``: every FSDP unit's gradient shard all-reduced over the replicate dim
+    by flcomm's hook, in the codec (with error feedback on request), on the mesh's transport."""
+    from flcomm.fsdp.fsdp2 import apply_all_reduce_hook
+
+    # NOTE: the hook's transport counts its own wire bytes (the codec's) into mesh.stats, so
+    # FsdpTraffic leaves the replicate-dim all-reduce out.
+    apply_all_reduce_hook(model, mesh.transport("replicate"), codec=cfg.replicate_codec,
+                          error_feedback=cfg.replicate_error_feedback)
 
 
 def _build_data(cfg: TrainConfig, mesh: FedMesh, device: torch.device):
@@ -231,7 +250,9 @@ def build_run(cfg: TrainConfig, monitor: Monitor, store: Any = None) -> Run:
     local_ws = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
     topo = resolve_topology(cfg, P, local_ws)
     timeout = timedelta(seconds=cfg.timeout_s)
-    mesh = topo.build(device_type=device.type, timeout=timeout, group_rank=rank if cfg.elastic else None)
+    # NOTE: the keyword only when it says something, so this runs with a Topology.build that predates it
+    native = {"transport": cfg.transport} if cfg.transport != "torch" else {}
+    mesh = topo.build(device_type=device.type, timeout=timeout, group_rank=rank if cfg.elastic else None, **native)
     federation = None
     if cfg.elastic:
         from flcomm.federated.elastic import Federation
@@ -252,7 +273,9 @@ def build_run(cfg: TrainConfig, monitor: Monitor, store: Any = None) -> Run:
     if cfg.federated:
         fed = FedAvg(model, mesh, cfg.fedavg, optimizer=optimizer, federation=federation, sync_init=not cfg.rejoin)
     mcfg = cfg.model_config()
-    meta = {"strategy": cfg.strategy, "topology": topo.to_dict(), "model": mcfg.to_dict(), "seed": cfg.seed,
+    meta = {"strategy": cfg.strategy, "transport": cfg.transport, "replicate_codec": cfg.replicate_codec,
+            "replicate_error_feedback": cfg.replicate_error_feedback, "topology": topo.to_dict(),
+            "model": mcfg.to_dict(), "seed": cfg.seed,
             "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "data": data_rec}
     if fed is not None:  # NOTE: what check_before_launch compares before a resume starts the ranks
         meta["fedavg"] = dict(fed.checkpoint_config)

@@ -3,6 +3,8 @@ validation, the CPU split per node, and the strategy benchmark's run specs and s
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from flcomm.train import netns
@@ -63,3 +65,17 @@ def test_strategies_run_specs_and_statistics():
     assert eval_at_time(steps, 100.0) == 3.0
     # blocks are gathered twice, the root once: strictly between 1 and 2
     assert 1.0 < bs.effective_allgathers("small") < 2.0
+
+
+def test_strategies_replicate_codec_spec_reaches_the_driver():
+    from bench import strategies as bs
+    from flcomm.train.__main__ import _config, _train_parser
+
+    s = bs.RunSpec.parse("hsdp:rep=int8:repef:S=2")
+    assert s.label() == "hsdp rep=int8+ef"
+    cfg = _config(_train_parser().parse_args(s.driver_args()))
+    got = (cfg.strategy, cfg.shard_size, cfg.replicate_codec, cfg.replicate_error_feedback)
+    assert got == ("hsdp", 2, "int8", True)
+    assert _config(_train_parser().parse_args(bs.RunSpec.parse("hsdp").driver_args())).replicate_codec == "none"
+    with pytest.raises(ValueError, match=re.escape("rep=<none|bf16|fp16|int8|fp8>") + ".* got 'rep=int4'"):
+        bs.RunSpec.parse("hsdp:rep=int4")

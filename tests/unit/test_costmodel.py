@@ -427,10 +427,11 @@ def test_assumptions_name_each_default_and_json_carries_them(tmp_path, capsys):
                 "fsdp_units": wl.fsdp_units, "fsdp_overlap": 0.8, "state_bytes_per_param": 16,
                 "activation_bytes": wl.activation_bytes, "memory_limit_bytes": 80e9,
                 "intra_node": 400e9, "inter_node": 25e9, "inter_group": 25e9, "reduce_scatter_as_all_reduce": False,
-                "convergence": None}
+                "replicate_codec": "none", "convergence": None}
     assert set(a) == set(expected)
     for key, value in expected.items():
-        assert a[key]["value"] == pytest.approx(value, rel=1e-12) if value else a[key]["value"] == value, key
+        numeric = value and not isinstance(value, str)
+        assert a[key]["value"] == pytest.approx(value, rel=1e-12) if numeric else a[key]["value"] == value, key
         if key != "convergence":
             assert a[key]["text"] in text, key  # every one printed, with its source and flag
             assert f"  {a[key]['text']}  [{a[key]['source']}; {a[key]['flag']}]" in text
@@ -612,3 +613,53 @@ def test_auto_overlap_is_predicted_with_the_k_fedavg_would_choose():
         fixed = predict(c, wl, Plan("fl-fsdp", group_size=2, fedavg=FedAvgConfig(sync_every=E, codec="int8",
                                                                                  overlap_steps=k, fragments=K)))
         assert auto.step_time_s == fixed.step_time_s, (E, K, k)
+
+
+# ---------------------------------------------------------------- the replicate codec (issue 27) ----
+
+@pytest.mark.parametrize("strategy, G", [("hsdp", None), ("fl-hsdp", 4)])
+@pytest.mark.parametrize("codec, per_numel", [("int8", None), ("fp8", None), ("bf16", 2), ("fp16", 2)])
+def test_replicate_codec_sends_its_bytes_over_the_replicas(strategy: str, G: int | None, codec: str,
+                                                           per_numel: int | None):
+    """HSDP's replica all-reduce of the 2 MB (500k fp32 elements) gradient shard in the codec:
+    int8 / fp8 1 B per element plus a 4 B scale per 256-block, bf16 / fp16 2 B, each part
+    16-aligned; the ring over R = 2 nodes sends the buffer once, the NIC shared by 2 ranks."""
+    n = 500_000
+    enc = _a16(n * per_numel) if per_numel else _a16(n) + _a16(4 * math.ceil(n / 256))
+    c = cluster(nodes=4) if G else cluster()
+    fed = FedAvgConfig(sync_every=4)
+    plain = predict(c, workload(), Plan(strategy, G, 2, fed))
+    coded = predict(c, workload(), Plan(strategy, G, 2, fed, replicate_codec=codec))
+    ar = lambda nbytes: 2 * AE + 2 * 0.5 * nbytes / (BE / 2)  # noqa: E731
+    assert coded.inner_comm_s - plain.inner_comm_s == pytest.approx(ar(enc) - ar(4 * n), rel=1e-9)
+    # NOTE: fl-hsdp adds the sharded exchange's all-gather over the replicas, the same in both
+    assert plain.internode_bytes_per_step - coded.internode_bytes_per_step == 4 * n - enc
+    if strategy == "hsdp":
+        assert (plain.internode_bytes_per_step, coded.internode_bytes_per_step) == (4 * n, enc)
+    assert coded.intergroup_bytes_per_step == plain.intergroup_bytes_per_step  # the FedAvg exchange is the same
+    assert f"rep={codec}" in coded.plan.label() and "rep=" not in plain.plan.label()
+    assert Plan.from_dict(coded.plan.to_dict()) == coded.plan
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: Plan("fsdp", replicate_codec="int8"), r"expected strategy hsdp or fl-hsdp, got fsdp"),
+    (lambda: Plan("fl-fsdp", replicate_codec="fp8"), r"expected strategy hsdp or fl-hsdp, got fl-fsdp"),
+    (lambda: Plan("hsdp", replicate_codec="int4"), r"unknown codec 'int4'; known codecs: none, bf16"),
+])
+def test_replicate_codec_without_replicas_or_unknown_is_refused(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_cli_replicate_codec_in_assumptions_and_rows(tmp_path, capsys):
+    text, rec = _ask(tmp_path, capsys, "--replicate-codec", "int8")
+    line = next(x for x in text.splitlines() if "HSDP replicas all-reduce" in x)
+    per = (_a16(1 << 20) + _a16(4 * (1 << 20) // 256)) / (1 << 20)
+    assert f"in int8, {per:.4g} B per element" in line and "[flag; --replicate-codec]" in line
+    assert rec["assumptions"]["replicate_codec"]["value"] == "int8"
+    rows = {p["plan"]["strategy"]: p for p in rec["predictions"]}
+    assert rows["hsdp"]["plan"]["replicate_codec"] == "int8" and "rep=int8" in rows["hsdp"]["label"]
+    assert rows["fsdp"]["plan"]["replicate_codec"] == "none"
+    assert re.search(r"^\s+hsdp S=8 rep=int8 ", text, re.M), text
+    text, rec = _ask(tmp_path, capsys)
+    assert "gradients in 2 B per element (FSDP's own)  [default; --replicate-codec]" in text

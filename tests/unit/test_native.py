@@ -265,3 +265,20 @@ def test_transport_maps_calls_and_counts_bytes():
                 + wire_bytes("all_gather", 128, 4) + wire_bytes("all_to_all", 32, 4) + wire_bytes("broadcast", 32, 4))
     assert stats.bytes("inter_node") == expected == 48 + 24 + 96 + 24 + 32
     assert stats.tiers[LinkTier.INTER_NODE].calls == 5
+
+
+def test_info_names_the_transports(capsys):
+    """``python -m flcomm info`` says which transports ``Topology.build(transport=...)`` can use
+    here: torch always; native when flcomm has NCCL and a GPU is visible, else why not."""
+    import json
+
+    from flcomm.__main__ import main
+
+    assert main(["info", "--json"]) == 0
+    t = json.loads(capsys.readouterr().out)["transports"]
+    assert t["torch"].startswith("available")
+    native = with_nccl() and torch.cuda.device_count() > 0
+    assert t["native"].startswith("available (NCCL " if native else "unavailable: "), t
+    assert main(["info"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("transports"))
+    assert f"torch: {t['torch']}; native: {t['native']}" in line

@@ -236,3 +236,42 @@ def test_verify_flag_reaches_the_config():
 
     assert _config(_train_parser().parse_args(["--verify"])).fedavg.verify is True
     assert _config(_train_parser().parse_args([])).fedavg.verify is False
+
+
+# ---------------------------------------------------------------- replicate codec and transport (issue 27)
+
+def test_replicate_and_transport_flags_round_trip():
+    from flcomm.train.__main__ import _config, _train_parser
+
+    argv = ["--strategy", "hsdp", "--replicate-codec", "int8", "--replicate-error-feedback", "--transport", "native"]
+    cfg = _config(_train_parser().parse_args(argv))
+    assert (cfg.replicate_codec, cfg.replicate_error_feedback, cfg.transport) == ("int8", True, "native")
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    d = _config(_train_parser().parse_args([]))
+    assert (d.replicate_codec, d.replicate_error_feedback, d.transport) == ("none", False, "torch")
+    new = ("replicate_codec", "replicate_error_feedback", "transport")
+    old = {k: v for k, v in d.to_dict().items() if k not in new}
+    assert TrainConfig.from_dict(old) == d  # NOTE: a config recorded before these fields
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--replicate-codec", "int8"], "expected strategy hsdp or fl-hsdp \\(R = G / S > 1 replicas\\), got fsdp"),
+    (["--strategy", "fl-fsdp", "--replicate-codec", "fp8"],
+     "expected strategy hsdp or fl-hsdp \\(R = G / S > 1 replicas\\), got fl-fsdp"),
+    (["--strategy", "hsdp", "--replicate-codec", "int4"],
+     "unknown replicate codec 'int4'; expected one of none, bf16, fp16, int8, fp8"),
+    (["--strategy", "hsdp", "--replicate-error-feedback"],
+     "--replicate-error-feedback keeps what the replicate codec dropped; expected --replicate-codec one of "
+     "bf16, fp16, int8, fp8, got none"),
+    (["--strategy", "hsdp", "--shard-size", "2", "--replicate-codec", "int8"], "needs at least two replicas"),
+    (["--strategy", "fl-hsdp", "--nproc", "8", "--replicate-codec", "int8"],
+     "FedAvg does not yet accept a model whose replicate all-reduce is flcomm's hook"),
+    (["--transport", "mpi"], "unknown transport 'mpi'; expected one of torch, native"),
+])
+def test_replicate_codec_and_transport_are_refused_before_launch(argv, match, capsys):
+    from flcomm.train.__main__ import main
+
+    assert main(["--nproc", "2", *argv] if "--nproc" not in argv else argv) == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err), err
+    assert err.count("\n") == 1, err  # one line, no traceback
