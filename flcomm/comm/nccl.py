@@ -170,6 +170,9 @@ class NcclTransport(Transport):
         super().__init__(int(comm.rank), int(comm.size), LinkTier(tier), stats, timeout)
         self.comm = comm
         self.blocking_wait = blocking_wait
+        #: the members' torch.distributed ranks, in communicator-rank order, where the maker knows
+        #: them (a FedMesh's splits); None otherwise
+        self.ranks: list[int] | None = None
         self._device = device if device is not None else _comm_device(comm)
 
     @classmethod

@@ -95,12 +95,30 @@ def _compare(what: str, sharded: list[int], replicated: list[int], mesh: FedMesh
             + f"{drift}: use {fix}")
 
 
-def _check_dtensor(name: str, p: Any, mesh: FedMesh) -> None:
+def _check_dtensor(name: str, p: Any, mesh: FedMesh, hooked: dict[int, list[int]]) -> None:
     dm = p.device_mesh
     shard = [i for i, pl in enumerate(p.placements) if pl.is_shard()]
     rep = [i for i, pl in enumerate(p.placements) if pl.is_replicate()]
+    replicated = sorted(mesh.global_ranks(_dims_ranks(dm, rep)))
+    if replicated == [mesh.rank] and id(p) in hooked:  # NOTE: an all-reduce hook replicates it
+        replicated = hooked[id(p)]
     _compare(f"parameter {name!r}", sorted(mesh.global_ranks(_dims_ranks(dm, shard))),
-             sorted(mesh.global_ranks(_dims_ranks(dm, rep))), mesh, _fix(mesh.topology.num_replicas > 1))
+             replicated, mesh, _fix(mesh.topology.num_replicas > 1))
+
+
+def _hook_replicas(model: nn.Module, mesh: FedMesh) -> dict[int, list[int]]:
+    """{id(parameter): global ranks} of the FSDP2 parameters whose gradients an all-reduce hook
+    (``set_all_reduce_hook``, e.g. flcomm.fsdp's ReplicateAllReduceHook) reduces over a
+    transport's ranks."""
+    out: dict[int, list[int]] = {}
+    for m in model.modules():
+        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
+        groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+        for g in groups:
+            ranks = getattr(getattr(getattr(g, "_all_reduce_hook", None), "transport", None), "ranks", None)
+            if g is not None and ranks is not None:
+                out.update({id(fp.sharded_param): sorted(mesh.global_ranks(ranks)) for fp in g.fsdp_params})
+    return out
 
 
 def _pg_ranks(pg: Any, mesh: FedMesh) -> list[int]:
@@ -161,9 +179,10 @@ def check_sharding(model: nn.Module, mesh: FedMesh, kind: str, replicated: bool)
         return
     kept = _ddp_params(model, mesh)
     plain = []
+    hooked = _hook_replicas(model, mesh)
     for name, p in model.named_parameters():
         if is_dtensor(p):
-            _check_dtensor(name, p, mesh)
+            _check_dtensor(name, p, mesh, hooked)
         elif id(p) not in kept and p.is_floating_point() and p.requires_grad:  # NOTE: a frozen one cannot drift
             plain.append(name)
     group = mesh.group_ranks["group"]

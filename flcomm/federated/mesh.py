@@ -151,8 +151,13 @@ class FedMesh:
         cap = self.exchange_max_ctas if name in EXCHANGE_GROUPS else None
         t = self._root.split(color, key, self.tier(name) if mine is not None else None, max_ctas=cap)
         if t is not None:
+            t.ranks = self._torch_ranks(self.group_ranks[name])
             self._native[name] = t
         return t
+
+    def _torch_ranks(self, ranks: Sequence[int]) -> list[int]:
+        """torch.distributed's ranks of global ranks (the inverse of :meth:`global_ranks`)."""
+        return [self._own.index(r) for r in ranks] if self.group_world else list(ranks)
 
     def private_transport(self, name: str, dim: str) -> Transport:
         """A new transport per group of ``dim`` (this rank's returned), recorded as ``name``:

@@ -140,14 +140,6 @@ class TrainConfig:
             raise ValueError(f"--replicate-codec {self.replicate_codec} compresses the all-reduce over the replicate "
                              f"dim, which strategy {self.strategy} does not have; expected strategy hsdp or fl-hsdp "
                              f"(R = G / S > 1 replicas), got {self.strategy}")
-        if self.replicate_codec != "none" and self.federated:
-            # NOTE: the hook needs the model sharded over the 'shard' dim alone, and FedAvg's sharding
-            # check (flcomm.federated.checks) wants FL+HSDP's parameters replicated over the
-            # 'replicate' dim by FSDP itself; until it accepts the hook as that replication, say so here
-            raise ValueError(f"--replicate-codec {self.replicate_codec} with strategy {self.strategy}: FedAvg does not "
-                             "yet accept a model whose replicate all-reduce is flcomm's hook (its sharding check "
-                             "expects FSDP2 over ('replicate', 'shard')); expected strategy hsdp, or --replicate-codec "
-                             "none for fl-hsdp")
         if self.replicate_error_feedback and self.replicate_codec == "none":
             raise ValueError("--replicate-error-feedback keeps what the replicate codec dropped; expected "
                              f"--replicate-codec one of {', '.join(c for c in CODECS if c != 'none')}, got none")

@@ -250,16 +250,16 @@ def build_run(cfg: TrainConfig, monitor: Monitor, store: Any = None) -> Run:
     local_ws = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
     topo = resolve_topology(cfg, P, local_ws)
     timeout = timedelta(seconds=cfg.timeout_s)
-    # NOTE: the keyword only when it says something, so this runs with a Topology.build that predates it
-    native = {"transport": cfg.transport} if cfg.transport != "torch" else {}
-    mesh = topo.build(device_type=device.type, timeout=timeout, group_rank=rank if cfg.elastic else None, **native)
+    mesh = topo.build(device_type=device.type, timeout=timeout, group_rank=rank if cfg.elastic else None,
+                      transport=cfg.transport)
     federation = None
     if cfg.elastic:
         from flcomm.federated.elastic import Federation
 
         if store is None:
             raise RuntimeError("--elastic needs the job's store (flcomm.train.launch.worker_main passes it)")
-        federation = Federation(store, topo, rank, backend=backend, timeout=timeout, grace_s=cfg.elastic_grace_s,
+        fed_backend = "native" if cfg.transport == "native" else backend
+        federation = Federation(store, topo, rank, backend=fed_backend, timeout=timeout, grace_s=cfg.elastic_grace_s,
                                 min_groups=cfg.min_groups, stats=mesh.stats, rejoin_mode=cfg.rejoin)
     monitor.set_groups({k: list(v) for k, v in mesh.group_ranks.items()})
     # NOTE: the global generators are seeded, so the RNG state a checkpoint saves is the same

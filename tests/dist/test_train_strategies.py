@@ -241,3 +241,37 @@ def test_nan_stop_is_agreed_at_the_next_fragment_sync():
         assert r["said"] == [s % (E // K) == 0 for s in done], r
         assert r["synced"] == [s % (E // K) == 0 for s in done[:-1]], r  # the step that raised synced nothing
 
+
+
+# ---------------------------------------------------------------- the native transport
+def _run_transports(rank: int, world: int, out_dir: str) -> dict:
+    from flcomm.train.loop import train
+    from tests.common import fake_nccl
+
+    res = {}
+    with fake_nccl.installed():  # NOTE: flcomm's NCCL library, as its gloo stand-in
+        # fl-fsdp: a shard group across two nodes (hierarchical); fl-hsdp: the sharded exchange
+        for name, kw in (("fl-fsdp", dict(group_size=2, hierarchical=True)),
+                         ("fl-hsdp", dict(group_size=2, shard_size=1))):
+            for transport in ("torch", "native"):
+                cfg = TrainConfig(strategy=name, ranks_per_node=1, transport=transport,
+                                  fedavg=FedAvgConfig(sync_every=2, codec="int8", overlap_steps=1),
+                                  metrics=os.path.join(out_dir, f"{name}-{transport}.jsonl"), **kw, **SMALL)
+                r = train(cfg, return_params=True)
+                res[name, transport] = {"losses": r.losses, "params": r.params}
+    return res
+
+
+def test_the_trainer_on_the_native_transport_gives_torchs_bits(tmp_path):
+    """``--transport native`` (on the NCCL stand-in): fl-hsdp with the hierarchical collectives,
+    int8 and overlap trains to the torch transport's parameters bit for bit, and the metrics say
+    which transport ran."""
+    res = run_distributed(_run_transports, 4, str(tmp_path), timeout=300)[0]
+    for name in ("fl-fsdp", "fl-hsdp"):
+        want, got = res[name, "torch"], res[name, "native"]
+        assert got["losses"] == want["losses"], name
+        for n, p in want["params"].items():
+            assert torch.equal(got["params"][n], p), (name, n)
+        for transport in ("torch", "native"):
+            m = read_metrics(os.path.join(tmp_path, f"{name}-{transport}.jsonl"))
+            assert m.config["transport"] == transport, m.config

@@ -264,8 +264,6 @@ def test_replicate_and_transport_flags_round_trip():
      "--replicate-error-feedback keeps what the replicate codec dropped; expected --replicate-codec one of "
      "bf16, fp16, int8, fp8, got none"),
     (["--strategy", "hsdp", "--shard-size", "2", "--replicate-codec", "int8"], "needs at least two replicas"),
-    (["--strategy", "fl-hsdp", "--nproc", "8", "--replicate-codec", "int8"],
-     "FedAvg does not yet accept a model whose replicate all-reduce is flcomm's hook"),
     (["--transport", "mpi"], "unknown transport 'mpi'; expected one of torch, native"),
 ])
 def test_replicate_codec_and_transport_are_refused_before_launch(argv, match, capsys):
