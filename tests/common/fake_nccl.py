@@ -38,6 +38,7 @@ import torch.distributed as dist
 DEVICE_TYPE = "cpu"
 DESCRIPTION = "a CPU stand-in for NCCL (gloo), for tests"
 NCCL_UNIQUE_ID_BYTES = 128
+NCCL_CTA_POLICIES = {"default": 0, "efficiency": 1, "zero": 2}  # NOTE: NCCL >= 2.27's, as the binding's
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8, torch.int32,
            torch.int64)
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -338,6 +339,9 @@ class NcclComm:
             raise RuntimeError(f"{what}: not allowed while a group_start() is open on this thread")
         if max_ctas < 0:
             raise RuntimeError(f"{what}: max_ctas must be >= 0 (0: NCCL's default), got {max_ctas}")
+        if cta_policy != -1 and cta_policy not in NCCL_CTA_POLICIES.values():
+            raise RuntimeError(f"{what}: cta_policy must be -1 (NCCL's default) or one of "
+                               f"{sorted(NCCL_CTA_POLICIES.values())}, got {cta_policy}")
         n = next(self._splits)
         mine = torch.tensor([color, key, self._rank], dtype=torch.int64)
         every = torch.empty(3 * self._size, dtype=torch.int64)

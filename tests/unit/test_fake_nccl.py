@@ -74,6 +74,8 @@ def test_stand_in_constructor_and_module_names():
     C = _native.native()
     assert binding_params(C.NcclComm.__init__.__doc__) == stand_in_params(fake_nccl.NcclComm.__init__)
     assert fake_nccl.NCCL_UNIQUE_ID_BYTES == C.NCCL_UNIQUE_ID_BYTES
+    if C.NCCL_CTA_POLICIES:  # NOTE: empty where the compiled NCCL predates 2.27
+        assert fake_nccl.NCCL_CTA_POLICIES == C.NCCL_CTA_POLICIES
     assert issubclass(C.NcclTimeoutError, TimeoutError) and issubclass(fake_nccl.NcclTimeoutError, TimeoutError)
     for name in ("nccl_unique_id", "nccl_group_depth"):
         assert binding_params(getattr(C, name).__doc__) == stand_in_params(getattr(fake_nccl, name)), name
