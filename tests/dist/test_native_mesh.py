@@ -71,6 +71,11 @@ CASES = [
     dict(kind="plain", F=4, E=2, T=5, fed={"codec": "none", "error_feedback": False, "offload": "cpu"}),
     # FL+HSDP with the sharded exchange (its private replicate communicator)
     dict(kind="fsdp2", F=2, S=1, E=2, T=5, fed={"codec": "int8", "error_feedback": True}),
+    dict(kind="fsdp2", F=2, E=2, T=6, fed={"codec": "fp8", "error_feedback": True, "outer": "nesterov"}),
+    dict(kind="fsdp2", F=2, E=2, T=6, fed={"codec": "bf16", "error_feedback": False, "inner_state": "average"}),
+    dict(kind="fsdp2", F=2, E=2, T=5, fed={"codec": "fp16", "error_feedback": True, "residual_dtype": "bf16"}),
+    dict(kind="plain", F=4, E=4, T=9, fed={"codec": "int8", "error_feedback": True, "offload": "cpu",
+                                          "overlap": True, "overlap_steps": 2, "fragments": 2}),
 ]
 
 
