@@ -2,13 +2,15 @@
 ``nccl_unique_id``, ``nccl_group_depth``), backed by gloo, so that everything above the C++ calls
 into NCCL runs in CI: the native mesh, the hooks, FedAvg and the driver on ``transport="native"``.
 
-It is a test double, injected with :func:`installed` (``flcomm.comm.nccl._LIBRARY``); nothing in
-flcomm ships or selects it. ``tests/unit/test_fake_nccl.py`` checks its interface against the real
+It is a test double, injected with :func:`installed` (``flcomm.comm.nccl._LIBRARY``), or in
+subprocesses through ``tests/common/fake_nccl_site`` on PYTHONPATH; nothing in flcomm ships or
+selects it. ``tests/unit/test_fake_nccl.py`` checks its interface against the real
 binding's signatures, so the two cannot drift.
 
 What it keeps of the real class, as far as a CPU has it:
-  - a communicator of ``nranks`` processes is made from a unique id (128 bytes, shared by the
-    caller through the c10d store); :meth:`NcclComm.split` is collective over the parent, by color
+  - a communicator of ``nranks`` processes is made from a unique id (128 bytes that carry the
+    address of a bootstrap store its maker serves, as NCCL's carries its root's; the caller shares
+    them, e.g. through the c10d store); :meth:`NcclComm.split` is collective over the parent, by color
     (``< 0``: none, returns None) and key, and may carry ``max_ctas`` / ``cta_policy``;
   - the same argument checks (device, dtype, contiguity, sizes, root, op) and errors
     (RuntimeError; :class:`NcclTimeoutError`, a TimeoutError, when a wait runs past the timeout,
@@ -48,9 +50,26 @@ class NcclTimeoutError(TimeoutError):
     """A wait that ran past the communicator's timeout (the communicator was aborted)."""
 
 
+_SERVERS: list[dist.TCPStore] = []  # NOTE: the bootstrap stores this process serves, alive with it
+
+
 def nccl_unique_id() -> bytes:
-    """ncclGetUniqueId(): 128 bytes rank 0 shares with the other ranks."""
-    return os.urandom(NCCL_UNIQUE_ID_BYTES)
+    """ncclGetUniqueId(): 128 bytes rank 0 shares with the other ranks. As NCCL's, it carries
+    the address of a bootstrap root this process serves (here a TCPStore on an ephemeral port),
+    so the members meet wherever the id is handed, whatever world each one is in."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    _SERVERS.append(server)
+    head = f"fake-nccl:127.0.0.1:{server.port}:".encode()
+    return head + os.urandom(NCCL_UNIQUE_ID_BYTES - len(head))
+
+
+def _bootstrap(unique_id: bytes, timeout_s: float) -> dist.Store:
+    """A client of the bootstrap store named by ``unique_id``."""
+    try:
+        _, host, port, _ = unique_id.split(b":", 3)
+    except ValueError:
+        raise RuntimeError("NcclComm: unique_id is not one of the stand-in's (nccl_unique_id())") from None
+    return dist.TCPStore(host.decode(), int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 class _Group(threading.local):
@@ -67,6 +86,16 @@ def nccl_group_depth() -> int:
     return _TL.depth
 
 
+def install() -> None:
+    """Make flcomm's native path build its communicators with this stand-in, for the rest of
+    the process (tests/common/fake_nccl_site: the trainer's subprocesses)."""
+    import sys
+
+    from flcomm.comm import nccl
+
+    nccl._LIBRARY = sys.modules[__name__]
+
+
 @contextmanager
 def installed() -> Iterator[None]:
     """Make flcomm's native path build its communicators with this stand-in."""
@@ -79,17 +108,6 @@ def installed() -> Iterator[None]:
         yield
     finally:
         nccl._LIBRARY = before
-
-
-def _store() -> dist.Store:
-    """Where the gloo groups meet: the job's store (every rank reaches it, as NCCL's unique id
-    reaches every member), else torch.distributed's default store. NOTE: in a run where each
-    federation group is its own world, the default store is the group's only."""
-    from torch.distributed import distributed_c10d as c10d
-
-    from tests.common import dist as tdist
-
-    return tdist.STORE if tdist.STORE is not None else c10d._get_default_store()
 
 
 class NcclWork:
@@ -158,12 +176,16 @@ class NcclComm:
         if not isinstance(unique_id, bytes) or len(unique_id) != NCCL_UNIQUE_ID_BYTES:
             raise RuntimeError(f"NcclComm: unique_id must be {NCCL_UNIQUE_ID_BYTES} bytes, got "
                                f"{len(unique_id) if isinstance(unique_id, bytes) else type(unique_id).__name__}")
-        self._setup(f"fake_nccl/{unique_id.hex()[:32]}", nranks, rank, device, timeout_s, 0, -1)
+        if timeout_s <= 0:
+            raise RuntimeError(f"NcclComm: timeout_s must be > 0, got {timeout_s}")
+        self._store = _bootstrap(unique_id, timeout_s)
+        self._setup("fake_nccl", nranks, rank, device, timeout_s, 0, -1)
 
     @classmethod
     def _child(cls, prefix: str, nranks: int, rank: int, parent: NcclComm, max_ctas: int,
                cta_policy: int) -> NcclComm:
         comm = cls.__new__(cls)
+        comm._store = parent._store
         comm._setup(prefix, nranks, rank, parent.device, parent.timeout, max_ctas, cta_policy)
         return comm
 
@@ -186,7 +208,7 @@ class NcclComm:
         self._splits = itertools.count()
         self._lock = threading.Lock()
         self.launches = 0
-        self._pg = store_group(_store(), prefix, rank, nranks, "gloo", timedelta(seconds=timeout_s))
+        self._pg = store_group(self._store, prefix, rank, nranks, "gloo", timedelta(seconds=timeout_s))
 
     # ---- properties of the binding ----
     rank = property(lambda self: self._rank)

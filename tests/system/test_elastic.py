@@ -184,12 +184,21 @@ GROUP_STEP_TOKENS = 2 * 2 * 32  # one step of one group: G ranks x batch x seq_l
 ROUND_TOKENS = 4 * GROUP_STEP_TOKENS  # one round of one group: E steps
 
 
-def test_killed_rank_costs_its_group_only_and_the_group_rejoins(tmp_path):
+@pytest.mark.parametrize("transport", ["torch", "native"])
+def test_killed_rank_costs_its_group_only_and_the_group_rejoins(tmp_path, transport, monkeypatch):
+    """Also on the native transport (the NCCL stand-in in the trainer's processes): each
+    generation's fed communicator is made fresh by its live members, the rejoined group's too."""
     from bench import faults
 
+    extra: tuple[str, ...] = ()
+    if transport == "native":
+        site = os.path.join(os.path.dirname(os.path.dirname(__file__)), "common", "fake_nccl_site")
+        monkeypatch.setenv("PYTHONPATH", site + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        extra = ("--transport", "native")
     # NOTE: the run is stopped one round after group 1 is admitted (however many steps the
     # survivors ran while it restarted); the cap is far beyond that
-    r = faults.run_elastic_fault("forward", str(tmp_path), GRACE_S, rejoin=True, steps=faults.ELASTIC_REJOIN_STEPS)
+    r = faults.run_elastic_fault("forward", str(tmp_path), GRACE_S, rejoin=True, steps=faults.ELASTIC_REJOIN_STEPS,
+                                 extra=extra)
     assert r.stopped_at is not None and r.rc == -signal.SIGTERM, r.message[-3000:]
     assert r.lost == [1] and r.rejoined == [1] and r.final_groups == [0, 1, 2, 3], r
     assert r.stopped_at <= r.steps[-1] < faults.ELASTIC_REJOIN_STEPS
@@ -199,6 +208,9 @@ def test_killed_rank_costs_its_group_only_and_the_group_rejoins(tmp_path):
     assert r.fault_step == 5 and r.tokens_lost == 1 * GROUP_STEP_TOKENS, r
     # the rejoined group's parameters equal the survivors' a round after it was admitted
     assert r.rejoined_equal, r
+    from flcomm.train.metrics import read_metrics
+
+    assert read_metrics(str(tmp_path / "m.jsonl")).config["transport"] == transport
 
 
 def test_killed_in_the_exchange_then_resume_with_fewer_groups(tmp_path):
