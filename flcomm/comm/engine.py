@@ -31,6 +31,7 @@ a transport is then the program order, on every rank.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -232,17 +233,31 @@ class ProgressEngine:
                 self._failed = job
             del job  # NOTE: keep nothing alive while waiting for the next job
 
-    def close(self) -> None:
-        """Stop the thread once the queued jobs are done (a later ``submit`` starts a new one)."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop the thread once the queued jobs are done (a later ``submit`` starts a new one);
+        ``timeout_s`` bounds the wait (None: no bound)."""
         with self._lock:
             t, self._thread = self._thread, None
         if t is not None and t.is_alive():
             self._queue.put(None)
-            t.join()
+            t.join(timeout_s)
 
 
 _ENGINES: dict[tuple[str, str], ProgressEngine] = {}
 _ENGINES_LOCK = threading.Lock()
+EXIT_JOIN_S = 10.0  # how long interpreter exit waits for an engine's queued jobs
+
+
+@atexit.register
+def _close_engines() -> None:
+    """At interpreter exit, let every engine's thread finish its jobs and return (at most
+    EXIT_JOIN_S each). NOTE: a daemon thread still inside a collective when the interpreter
+    finalizes runs into the C++ teardown of its process group: a process that ended its script
+    normally could then abort ("terminate called without an active exception")."""
+    with _ENGINES_LOCK:
+        engines = list(_ENGINES.values())
+    for eng in engines:
+        eng.close(EXIT_JOIN_S)
 
 
 def get_engine(device: torch.device | str = "cpu", lane: str = "exchange") -> ProgressEngine:

@@ -118,7 +118,7 @@ class FedMesh:
         for ranks in lists:  # NOTE: every rank must create every group, in the same order
             if self.group_world and not set(ranks) <= set(self._own):
                 continue
-            local = [self._own.index(r) for r in ranks] if self.group_world else ranks
+            local = self._torch_ranks(ranks)
             g = dist.new_group(local, timeout=self.timeout, use_local_synchronization=False,
                                pg_options=self._pg_options(name))
             if self.rank in ranks:

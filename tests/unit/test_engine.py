@@ -131,3 +131,21 @@ def test_failed_cuda_job_orders_the_callers_stream_after_its_kernels():
     torch.cuda.synchronize()
     assert torch.equal(x, torch.full_like(x, 3.0))  # (1 * 2) + 1: after the job's kernels
     eng.close()
+
+
+def test_interpreter_exit_lets_queued_jobs_finish(tmp_path):
+    """A script that ends while an engine job is still running exits after the job, not in the
+    middle of it (a daemon thread cut off inside a collective can abort the process)."""
+    import subprocess
+    import sys
+
+    done = tmp_path / "done"
+    script = (
+        "import time\n"
+        "from flcomm.comm.engine import get_engine\n"
+        f"work = lambda job: (time.sleep(0.5), open({str(done)!r}, 'w').close())\n"
+        "get_engine('cpu', 'exit-test').submit(work, 'slow')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert done.exists(), "the job was cut off at interpreter exit"
