@@ -69,6 +69,6 @@ if [ "$LEAN" = 1 ]; then
   "$VENV/bin/pip" install -q --no-build-isolation --no-deps -e .
 else
   "$VENV/bin/pip" install -q "setuptools>=77" wheel ninja numpy
-  "$VENV/bin/pip" install -q --no-build-isolation -e ".[test,plot,hf]"
+  "$VENV/bin/pip" install -q --no-build-isolation -e ".[test,plot,hf,peers]"
 fi
 "$VENV/bin/python" -m flcomm info
