@@ -247,14 +247,18 @@ class DeltaExchange:
                 torch.where(ok, mean, local, out=local)
                 continue
             m = self.momentum_index[s.index]
-            disp = mean  # NOTE: the outer update works in place in the bucket
+            step, alpha = mean, 1.0  # NOTE: the outer update works in place in the bucket
             if m is not None:
                 buf = self._stage(self.outer.buffers[m], s, flat)
-                disp = self.outer.piece_(mean, buf, ok)
+                step, alpha = self.outer.piece_(mean, buf, ok), self.outer.scale
                 self._back(self._piece(self.outer.buffers[m], s), buf)
-                disp.masked_fill_(~ok, 0.0)
+                step.masked_fill_(~ok, 0.0)
             anchor = self._stage(self.anchors[s.index], s, flat)
-            anchor.add_(disp)
+            if self.own is not None and alpha != 1.0:
+                step.mul_(alpha)  # NOTE: the displacement, which own's correction needs too
+                alpha = 1.0
+            anchor.add_(step, alpha=alpha)  # NOTE: SGD's p.add_(d_p, alpha=-lr): the same rounding
+            disp = step
             if self.own is None:
                 # NOTE: local = anchor where ok, selected in the bucket (its mean is used up):
                 # no temporary, and local's rounding is copy_'s
