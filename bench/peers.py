@@ -56,6 +56,7 @@ Usage (as root, for the emulated cluster; torchft is the ``peers`` extra)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -312,6 +313,8 @@ def worker(a: argparse.Namespace) -> int:
         if env.rank == 0 and not a.quiet:
             print(f"[{row}] step {step}/{a.steps} loss {float(loss):.4f} {times[-1]:.3f} s", flush=True)
     tx["end"] = _tx_bytes(ifname)
+    if fed is not None:
+        fed.finish()  # NOTE: the overlapped rows' last exchange applied before the evaluation
     with torch.no_grad():
         ev = [float(lm_loss(model(xe), ye)) for xe, ye in held]
     # one more round under torch's memory profiler: the largest rise of allocated tensor bytes
@@ -352,6 +355,10 @@ def worker(a: argparse.Namespace) -> int:
     if diloco is not None:
         diloco.__exit__(None, None, None)
         manager.shutdown(wait=False)
+        # NOTE: everything is written; torchft's background threads can abort the interpreter's
+        # teardown ("terminate called without an active exception", seen on one rank in 8)
+        sys.stdout.flush()
+        os._exit(0)
     dist.destroy_process_group()
     return 0
 
@@ -463,11 +470,21 @@ def run_row(c: Any, a: argparse.Namespace, row: str, E: int, out: str, empty: bo
             lighthouse.wait()
             lh_log.close()
     wall = time.perf_counter() - t0
-    ranks = []
-    for r in range(a.nodes * a.ranks_per_node):
+    with open(os.path.join(out, "row.json"), "w") as f:
+        json.dump({"row": row, "sync_every": E, "empty": empty, "wall_s": wall}, f)
+    return read_row(out)
+
+
+def read_row(out: str) -> dict:
+    """A launched row's record (``row.json``) with every rank's record."""
+    with open(os.path.join(out, "row.json")) as f:
+        rec = json.load(f)
+    ranks, r = [], 0
+    while os.path.isfile(os.path.join(out, f"rank{r}.json")):
         with open(os.path.join(out, f"rank{r}.json")) as f:
             ranks.append(json.load(f))
-    return {"row": row, "sync_every": E, "empty": empty, "wall_s": wall, "ranks": ranks, "out": out}
+        r += 1
+    return {**rec, "ranks": ranks, "out": out}
 
 
 # ---------------------------------------------------------------- analysis ----
@@ -549,11 +566,14 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     colors = ["C1" if r["row"].startswith("tft") else "C0" if r["row"].startswith("fl") else "C7" for r in rows]
     for ax, key, name in zip(axes, ("step_s", "wire_bytes_per_round", "sync_peak_mb"),
                              ("step time (s)", "wire bytes per round", "synchronizer MB per rank")):
-        vals = [r.get(key) or 0 for r in rows]
+        vals = [r.get(key) or (1.0 if key == "wire_bytes_per_round" else 0.0) for r in rows]
         ax.barh(range(len(rows)), vals, color=colors)
         ax.set_yticks(range(len(rows)), labels, fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel(name)
+        if key == "wire_bytes_per_round" and any(vals):
+            ax.set_xscale("log")  # NOTE: plain FSDP sends an order of magnitude more
+            ax.set_xlim(left=max(min(v for v in vals if v > 1.0), max(vals) / 1e3) / 2)
         ax.grid(axis="x", alpha=0.3)
     fig.suptitle(title + "  (blue: flcomm, orange: torchft, grey: torch alone)")
     fig.tight_layout()
@@ -587,16 +607,26 @@ def bench(a: argparse.Namespace) -> int:
 
         cluster = EmulatedCluster(ClusterSpec(a.nodes, a.rate))
     recs: list[dict] = []
+    if a.reanalyse:
+        for d in a.reanalyse:
+            for sub in sorted(os.listdir(d)):
+                if os.path.isfile(os.path.join(d, sub, "row.json")):
+                    recs.append(read_row(os.path.join(d, sub)))
+        a.sync_every = sorted({r["sync_every"] for r in recs if not r["empty"]})
+        cluster = contextlib.nullcontext()
     with cluster as c:
         plan = [(row, E) for E in a.sync_every for row in a.rows if row in FED_ROWS or E == a.sync_every[0]]
         if a.fixed:
             plan += [(row, 1, "empty") for row in ("local", "tft", "fl")]
-        for i, item in enumerate(plan):
+        for i, item in enumerate([] if a.reanalyse else plan):
             row, E, empty = item[0], item[1], len(item) > 2
             log(f"[{i + 1}/{len(plan)}] {row} E={E}{' (near-empty model)' if empty else ''}")
             path = os.path.join(out_dir, f"{i:02d}_{row}_E{E}{'_empty' if empty else ''}")
-            rec = run_row(c, a, row, E, path, empty=empty, dump=row in ("tft", "fl") and not empty)
-            recs.append(rec)
+            try:
+                recs.append(run_row(c, a, row, E, path, empty=empty, dump=row in ("tft", "fl") and not empty))
+            except (RuntimeError, OSError) as e:
+                # NOTE: one failed row should not cost the others' results (ClusterError is a RuntimeError)
+                log(f"      FAILED, left out of the table: {e}")
     rows = [summarize(r, r["sync_every"]) for r in recs if not r["empty"]]
     local = next((r for r in rows if r["row"] == "local"), None)
     empties = {r["row"]: summarize(r, 1) for r in recs if r["empty"]}
@@ -615,10 +645,12 @@ def bench(a: argparse.Namespace) -> int:
         if fl and tf:
             par.append({"sync_every": E, **parity(fl["out"], tf["out"], a.nodes * a.ranks_per_node,
                                                   a.ranks_per_node)})
+    loads = ("re-analysed from the recorded rows" if a.reanalyse else
+             f"load average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
     head = (f"bench.peers: {a.model}, {a.nodes} nodes x {a.ranks_per_node} ranks, "
             f"{'loopback' if a.launcher == 'local' else a.rate + ' between nodes'}, {a.steps} steps; "
             f"flcomm {flcomm.__version__}, torchft {tft_version}, torch {torch.__version__}; "
-            f"load average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
+            f"{loads}")
     print(head)
     print(table(rows))
     for p in par:
@@ -672,6 +704,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--png", default=None)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--reanalyse", nargs="+", metavar="OUT_DIR", default=None,
+                   help="run nothing: tabulate the rows recorded under these --out-dir folders")
     return bench(p.parse_args(argv))
 
 
