@@ -252,6 +252,20 @@ def _failure_message(cfg: TrainConfig, procs: list) -> str:
     return msg
 
 
+def _other_groups_report(cfg: TrainConfig, groups: list[list[int]]) -> str:
+    """``--elastic``: the first report from outside the group that failed first (why the
+    survivors ended: too few groups left, or a failure of their own), or ``""``."""
+    got = first_failure(cfg.log_dir, [r for g in groups for r in g])
+    if got is None:
+        return ""
+    culprit = next(g for g in groups if got[0] in g)
+    reports = [q for q in (read_heartbeat(cfg.log_dir, r) for g in groups if g is not culprit for r in g)
+               if q is not None and q.get("state") == "error"]
+    if not reports:
+        return ""
+    return f"\nfirst report of the other federation groups: {min(reports, key=lambda q: q['t']).get('msg')}"
+
+
 def _supervise(cfg: TrainConfig, procs: list, timeout_s: float | None) -> None:
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     settle = None  # after the first failure: when to stop waiting for the others' reports
@@ -319,7 +333,8 @@ def _supervise_elastic(cfg: TrainConfig, procs: list, timeout_s: float | None, r
     codes = [p.exitcode for p in procs]
     finished = [f for f, ranks in enumerate(groups) if all(codes[r] == 0 for r in ranks)]
     if len(finished) < cfg.min_groups or not finished:
-        raise LaunchError(f"{_failure_message(cfg, procs)}\nonly federation groups {finished} finished "
+        raise LaunchError(f"{_failure_message(cfg, procs)}{_other_groups_report(cfg, groups)}\n"
+                          f"only federation groups {finished} finished "
                           f"(--min-groups {cfg.min_groups}); per-rank logs and heartbeats: {cfg.log_dir}")
     report = LaunchReport(codes, sorted(lost), restarted)
     print(f"flcomm.train: elastic run finished with federation groups {finished}; lost {report.lost_groups}, "

@@ -160,3 +160,28 @@ def test_a_peer_whose_clock_lags_is_not_stale_while_it_beats(tmp_path, monkeypat
         beating.join()
         m.close()
     assert "the culprit could not be determined: every peer still answers" in msg, msg
+
+
+def test_an_elastic_failure_names_why_the_other_groups_ended(tmp_path):
+    """``--elastic``: the group mate of the rank that failed first reports its group lost, the
+    other groups report their own end; the launcher's message takes the latter from outside
+    the culprit's group, whichever of the two was written first."""
+    from flcomm.train.launch import _other_groups_report
+
+    cfg = type("Cfg", (), {"log_dir": str(tmp_path)})()
+    recs = {0: _rec(0, "error", t=NOW - 4), 1: _rec(1, "error", t=NOW - 4),
+            2: _rec(2, "error", t=NOW - 6), 3: _rec(3, alive=None, t=NOW - 10)}
+    recs[2]["msg"] = "rank 2: federation group 1 is out of the federation"
+    recs[0]["msg"] = recs[1]["msg"] = "fewer than --min-groups 2"
+    assert _other_groups_report(cfg, [[0, 1], [2, 3]]) == ""  # no records written yet
+    for r, rec in recs.items():
+        with open(mon_mod.heartbeat_path(str(tmp_path), r), "w") as f:
+            f.write(json.dumps(rec))
+    assert first_failure(str(tmp_path), [0, 1, 2, 3])[0] == 3
+    got = _other_groups_report(cfg, [[0, 1], [2, 3]])
+    assert got == "\nfirst report of the other federation groups: fewer than --min-groups 2", got
+    recs[0]["state"] = recs[1]["state"] = "done"
+    for r in (0, 1):
+        with open(mon_mod.heartbeat_path(str(tmp_path), r), "w") as f:
+            f.write(json.dumps(recs[r]))
+    assert _other_groups_report(cfg, [[0, 1], [2, 3]]) == ""  # the other group finished
