@@ -18,8 +18,10 @@ Every cross-group round ends with an agreement through the store (:meth:`Federat
 After an abort, the membership round (:meth:`Federation.reform`):
 
 3. every rank that is alive announces itself under the current generation and waits until all
-   live ranks did, or ``grace_s``; a group is in only if all of its ranks announced (a group
-   whose rank failed or froze cannot confirm);
+   live ranks did, or ``grace_s``, or every rank still silent is of a group whose every rank
+   asked to rejoin (a restarted group: its previous incarnation is gone, waiting cannot bring
+   it back); a group is in only if all of its ranks announced (a group whose rank failed or
+   froze cannot confirm);
 4. the first rank to decide writes the new membership (generation + 1) with ``compare_set``;
    ranks of groups left out raise :class:`GroupLostError`, and fewer than ``min_groups``
    groups end the job (:class:`TooFewGroupsError`);
@@ -322,7 +324,8 @@ class Federation:
         cnt = self.kv.add(f"g{g}/alive_n", 1)
         deadline = time.monotonic() + self.grace_s
         poll = Poller()
-        while self._get(f"gen/{g + 1}") is None and cnt < n and time.monotonic() < deadline:
+        while (self._get(f"gen/{g + 1}") is None and cnt < n and time.monotonic() < deadline
+               and not self._silent_are_restarting(g)):
             poll.sleep()
             cnt = self.kv.add(f"g{g}/alive_n", 0)
         missing = tuple(r for r in self.live_ranks() if not self.kv.check([f"g{g}/alive/{r}"]))
@@ -331,6 +334,14 @@ class Federation:
         new = self._decide(Membership(g + 1, keep, step, lost, (), missing))
         self._change(new, t0)
         return new
+
+    def _silent_are_restarting(self, g: int) -> bool:
+        """Every live rank not yet announced in generation ``g`` is of a group whose every rank
+        asked to rejoin: a restarted incarnation (step 3 of the module docstring)."""
+        silent = [r for r in self.live_ranks() if not self.kv.check([f"g{g}/alive/{r}"])]
+        groups = {self.topology.coords(r).group for r in silent}
+        return bool(groups) and all(self.kv.check([f"rejoin/{f}/{r}" for r in self.topology.group_ranks(f)])
+                                    for f in groups)
 
     def advance(self, admit: tuple[int, ...], step: int) -> Membership:
         """After a committed round that admitted ``admit``: the next generation, with them."""
