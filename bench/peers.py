@@ -42,6 +42,9 @@ Columns, each taken the same way for both libraries, outside either library's ow
   |dθ|          parity (``tft`` against ``fl``, codec none): the largest |θ_flcomm - θ_torchft|
                 over the shards after each round, absolute and relative to max |θ|
 
+``--recovery``: the recovery columns (kill a rank of group 1, restart its group; survivors' lost
+time, the rejoined group's time back, steps redone and missed), from :mod:`bench.recovery`.
+
 Usage (as root, for the emulated cluster; torchft is the ``peers`` extra)::
 
     pip install -e ".[peers]"
@@ -198,23 +201,71 @@ def _tx_bytes(ifname: str | None) -> int | None:
         return None
 
 
+def build_model_sharded(a: argparse.Namespace, dm: Any) -> tuple[Any, Any]:
+    """The job's model on every rank from the same seed (``a.empty``: a near-empty one),
+    FSDP2 over ``dm`` per decoder block and on the root, and its AdamW."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from flcomm.train.model import build_model, get_config
+
+    mcfg = get_config(a.model, **({"dim": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 16}
+                                  if getattr(a, "empty", False) else {}))
+    torch.manual_seed(a.seed)
+    model = build_model(mcfg, device="cpu", seed=a.seed)
+    for block in model.layers:
+        fully_shard(block, mesh=dm, reshard_after_forward=True)
+    fully_shard(model, mesh=dm, reshard_after_forward=False)
+    return model, torch.optim.AdamW(model.parameters(), lr=a.lr)
+
+
+def build_data(a: argparse.Namespace, env: Env) -> tuple[Any, list]:
+    """This rank's slice of the built-in corpus, as the driver cuts it: (train loader, held-out batches)."""
+    from flcomm.train.data import ShardedLoader, eval_batches, load_tokens, split_for_ranks
+
+    tokens = load_tokens(None)
+    P, index = env.world, env.node * env.per_node + env.local
+    split = split_for_ranks(tokens, P, a.batch_size, a.seq_len, 0.02)
+    loader = ShardedLoader(split.train, a.seq_len, a.batch_size, P, index, a.seed)
+    return loader, eval_batches(split.heldout, a.seq_len, a.batch_size, a.eval_batches, P, index)
+
+
+def tft_manager(a: argparse.Namespace, env: Env, model: Any, inner: Any, min_replicas: int, store_port: int) -> Any:
+    """torchft's Manager of this rank's replica group (= node): its state is the model and the
+    inner optimizer (what a healing group fetches), its store on the node's address."""
+    from torchft import Manager, ProcessGroupGloo
+
+    timeout = timedelta(seconds=a.timeout)
+
+    def state() -> dict:
+        return {"model": model.state_dict(), "inner": inner.state_dict()}
+
+    def load(sd: dict) -> None:
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["inner"])
+
+    # NOTE: init_sync=False: every rank starts from the same seed already. With torchft's
+    # default (True) the first quorum, at DiLoCo's first sync, heals the non-primary groups
+    # from the primary's state, discarding their first E local steps (measured: 8e-3 off).
+    return Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load, state_dict=state,
+                   min_replica_size=min_replicas, use_async_quorum=False, replica_id=f"group{env.node}",
+                   store_addr=env.addrs[env.node], store_port=store_port, rank=env.local,
+                   world_size=env.per_node, lighthouse_addr=f"http://{env.addrs[0]}:{a.lighthouse_port}",
+                   hostname=env.addrs[env.node], timeout=timeout, quorum_timeout=timeout,
+                   connect_timeout=timeout, init_sync=False)
+
+
 def worker(a: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    from flcomm.train.data import ShardedLoader, eval_batches, load_tokens, split_for_ranks
-    from flcomm.train.model import build_model, get_config, lm_loss
+    from flcomm.train.model import lm_loss
 
     torch.set_num_threads(1)
     env = Env.from_environ()
     row, E = a.row, a.sync_every
     timeout = timedelta(seconds=a.timeout)
-    mcfg = get_config(a.model, **({"dim": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 16}
-                                  if a.empty else {}))
-    torch.manual_seed(a.seed)
-    model = build_model(mcfg, device="cpu", seed=a.seed)
     fed = diloco = manager = None
     hsdp = row in ("tft-hsdp", "fl-hsdp")
     if row.startswith("tft") or row == "local":
@@ -236,32 +287,13 @@ def worker(a: argparse.Namespace) -> int:
                                      shard_size=env.per_node // 2 if hsdp else None)
             mesh = topo.build("cpu", timeout=timeout)
             dm = mesh.device_mesh["replicate", "shard"] if hsdp else mesh.device_mesh["shard"]
-    for block in model.layers:
-        fully_shard(block, mesh=dm, reshard_after_forward=True)
-    fully_shard(model, mesh=dm, reshard_after_forward=False)
-    inner = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    model, inner = build_model_sharded(a, dm)
     rss_before = _rss_mb()
 
     if row.startswith("tft"):
-        from torchft import Manager, ProcessGroupGloo
         from torchft.local_sgd import DiLoCo
 
-        def state() -> dict:
-            return {"model": model.state_dict(), "inner": inner.state_dict()}
-
-        def load(sd: dict) -> None:
-            model.load_state_dict(sd["model"])
-            inner.load_state_dict(sd["inner"])
-
-        # NOTE: init_sync=False: every rank starts from the same seed already. With torchft's
-        # default (True) the first quorum, at DiLoCo's first sync, heals the non-primary groups
-        # from the primary's state, discarding their first E local steps (measured: 8e-3 off).
-        manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load, state_dict=state,
-                          min_replica_size=env.nodes, use_async_quorum=False, replica_id=f"group{env.node}",
-                          store_addr=env.addrs[env.node], store_port=a.store_port + env.node, rank=env.local,
-                          world_size=env.per_node, lighthouse_addr=f"http://{env.addrs[0]}:{a.lighthouse_port}",
-                          hostname=env.addrs[env.node], timeout=timeout, quorum_timeout=timeout,
-                          connect_timeout=timeout, init_sync=False)
+        manager = tft_manager(a, env, model, inner, env.nodes, a.store_port + env.node)
         if row == "tft-stream":
             n = len(model.layers) // 2
             frags = [torch.nn.ModuleList([model.tok_embeddings, *model.layers[:n]]),
@@ -285,11 +317,7 @@ def worker(a: argparse.Namespace) -> int:
                                   fragments=2 if row == "fl-frag" else 1, bucket_mb=a.bucket_mb)
         fed = flcomm.FedAvg(model, mesh, cfg)
 
-    tokens = load_tokens(None)
-    P, index = env.world, env.node * env.per_node + env.local
-    split = split_for_ranks(tokens, P, a.batch_size, a.seq_len, 0.02)
-    loader = ShardedLoader(split.train, a.seq_len, a.batch_size, P, index, a.seed)
-    held = eval_batches(split.heldout, a.seq_len, a.batch_size, a.eval_batches, P, index)
+    loader, held = build_data(a, env)
     ifname = os.environ.get("PEERS_IFNAME") if env.local == 0 else None
 
     times, shards, tx = [], [], {}
@@ -395,15 +423,18 @@ class LocalCluster:
     def exec_argv(self, node: int, argv: list[str]) -> list[str]:
         return list(argv)
 
+    def rank_env(self, rank: int, ranks_per_node: int, extra: dict[str, str]) -> dict[str, str]:
+        return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.nodes * ranks_per_node),
+                    LOCAL_RANK=str(rank % ranks_per_node), LOCAL_WORLD_SIZE=str(ranks_per_node),
+                    NODE_RANK=str(rank // ranks_per_node), OMP_NUM_THREADS="1", **extra)
+
     def launch(self, argv: list[str], ranks_per_node: int, *, env: dict[str, str], timeout: float,
                log_dir: str, **_: Any) -> None:
         os.makedirs(log_dir, exist_ok=True)
         world = self.nodes * ranks_per_node
         procs, files = [], []
         for r in range(world):
-            e = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r % ranks_per_node),
-                     LOCAL_WORLD_SIZE=str(ranks_per_node), NODE_RANK=str(r // ranks_per_node), OMP_NUM_THREADS="1",
-                     **env)
+            e = self.rank_env(r, ranks_per_node, env)
             f = open(os.path.join(log_dir, f"rank{r}.log"), "w")
             files.append(f)
             procs.append(subprocess.Popen(argv, env=e, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
@@ -597,6 +628,11 @@ def bench(a: argparse.Namespace) -> int:
         if a.steps <= E or a.steps % E:
             sys.exit(f"--steps: expected a multiple of every --sync-every above it (the first round is the warm-up), "
                      f"got {a.steps} with E = {E}")
+    for E in a.sync_every if a.recovery else ():
+        k = a.kill_step if a.kill_step is not None else E + E // 2
+        if not 1 <= k < a.steps - E:
+            sys.exit(f"--kill-step: expected a step in [1, {a.steps - E}) for E = {E} (a sync must follow the "
+                     f"restart), got {k}")
     out_dir = a.out_dir or tempfile.mkdtemp(prefix="flcomm-peers-")
     load0 = os.getloadavg()[0]
     log = (lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
@@ -627,6 +663,11 @@ def bench(a: argparse.Namespace) -> int:
             except (RuntimeError, OSError) as e:
                 # NOTE: one failed row should not cost the others' results (ClusterError is a RuntimeError)
                 log(f"      FAILED, left out of the table: {e}")
+        rec_rows = []
+        if a.recovery:
+            from bench import recovery
+
+            rec_rows = recovery.reanalyse(a.reanalyse) if a.reanalyse else recovery.run(c, a, out_dir, log)
     rows = [summarize(r, r["sync_every"]) for r in recs if not r["empty"]]
     local = next((r for r in rows if r["row"] == "local"), None)
     empties = {r["row"]: summarize(r, 1) for r in recs if r["empty"]}
@@ -658,10 +699,15 @@ def bench(a: argparse.Namespace) -> int:
               + " ".join(f"{d:.1e}" for d in p["max_abs"]) + f"; relative at the end {p['max_rel'][-1]:.1e}; "
               f"groups' copies differ by at most {max(p['groups_spread_flcomm']):.1e} (flcomm), "
               f"{max(p['groups_spread_torchft']):.1e} (torchft)")
+    if rec_rows:
+        from bench import recovery
+
+        print(recovery.table(rec_rows))
     print(f"records in {out_dir}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"header": head, "args": vars(a), "load_start": load0, "rows": rows, "parity": par}, f, indent=2)
+            json.dump({"header": head, "args": vars(a), "load_start": load0, "rows": rows, "parity": par,
+                       "recovery": rec_rows}, f, indent=2)
     if a.png:
         plot(rows, a.png, head.split(";")[0])
     return 0
@@ -688,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--rate", default="100mbit", help="inter-node rate per node (emulated)")
-    p.add_argument("--rows", nargs="+", default=list(ROWS))
+    p.add_argument("--rows", nargs="*", default=list(ROWS), help="none with --recovery: the recovery runs alone")
     p.add_argument("--sync-every", type=int, nargs="+", default=[4, 16])
     p.add_argument("--model", default="small")
     p.add_argument("--steps", type=int, default=48, help="a multiple of every E; the first round is the warm-up")
@@ -699,6 +745,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-batches", type=int, default=2)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="both libraries' bucket size")
     p.add_argument("--fixed", action="store_true", help="also the fixed cost per sync (a near-empty model, E = 1)")
+    p.add_argument("--recovery", action="store_true",
+                   help="also the recovery columns (bench/recovery.py): kill a rank of group 1 at --kill-step")
+    p.add_argument("--kill-step", type=int, default=None,
+                   help="the step after which the rank is killed (default: the middle of the second round)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per collective; a run gets twice that")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--json", default=None)

@@ -57,3 +57,41 @@ def test_flcomm_matches_torchft_diloco(shards):
     # NOTE: the shards move between syncs by far more than the tolerance: agreement is not trivial
     moved = np.abs(shards["tft"][0][-1] - shards["tft"][0][0]).max() / np.abs(shards["tft"][0][0]).max()
     assert moved > 1e-3, moved
+
+
+# ---------------------------------------------------------------- recovery (bench/recovery.py)
+
+@pytest.fixture(scope="module")
+def recovered(tmp_path_factory):
+    """Each library's recovery run (rank 2, group 1's first, killed after step 6; its group
+    restarted) and the same run without the fault: {lib: (fault run, clean run)}."""
+    from bench import recovery
+
+    a = argparse.Namespace(model="tiny", steps=16, batch_size=2, seq_len=32, lr=3e-3, seed=0, bucket_mb=25.0,
+                           timeout=60.0, ranks_per_node=PER_GROUP, kill_step=6, sync_every=[4])
+    out = {}
+    with peers.LocalCluster(GROUPS) as c:
+        for lib in recovery.LIBS:
+            d = tmp_path_factory.mktemp(f"recovery_{lib}")
+            out[lib] = (recovery.run_once(c, a, lib, 4, str(d / "kill"), True),
+                        recovery.run_once(c, a, lib, 4, str(d / "clean"), False))
+    return out
+
+
+@pytest.mark.parametrize("lib", ["tft", "fl"])
+def test_the_restarted_group_comes_back_equal_to_the_survivors(recovered, lib):
+    """Both libraries: the killed group's restarted ranks hold the survivors' shards (digests)
+    at a sync after the kill, the survivors ran every step once to the end, and the run without
+    the fault kept every group equal at every sync."""
+    from bench import recovery
+
+    fault, clean = recovered[lib]
+    got = recovery.analyse(fault, clean)
+    assert got["rejoin_s"] is not None and got["rejoin_s"] > 0, got
+    assert got["out_steps"] is not None and got["out_steps"] % 4 == 0 and got["out_steps"] >= 4, got
+    assert got["clean_groups_agree"], got
+    assert got["redone_steps"] == 0, got  # the kill is between syncs: no round is lost
+    for r in range(PER_GROUP, WORLD):  # the restarted ranks trained to the end
+        ends = [x for x in fault["records"][(r, 1)] if x["event"] == "end"]
+        assert ends and ends[0]["step"] == 16, (lib, r, fault["records"][(r, 1)][-3:])
+    assert not any(x["event"] == "end" for x in fault["records"][(PER_GROUP, 0)])  # it was killed
