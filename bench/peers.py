@@ -234,8 +234,18 @@ def tft_manager(a: argparse.Namespace, env: Env, model: Any, inner: Any, min_rep
     """torchft's Manager of this rank's replica group (= node): its state is the model and the
     inner optimizer (what a healing group fetches), its store on the node's address."""
     from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing.http_transport import HTTPTransport
 
     timeout = timedelta(seconds=a.timeout)
+    host = env.addrs[env.node]
+
+    class NodeHTTPTransport(HTTPTransport):
+        """torchft's checkpoint server (what a healing group fetches from), addressed by the
+        node's IP: its own address() names this machine's hostname, which every emulated node
+        shares (on a real cluster each node's hostname resolves to that node)."""
+
+        def address(self) -> str:
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
     def state() -> dict:
         return {"model": model.state_dict(), "inner": inner.state_dict()}
@@ -252,7 +262,8 @@ def tft_manager(a: argparse.Namespace, env: Env, model: Any, inner: Any, min_rep
                    store_addr=env.addrs[env.node], store_port=store_port, rank=env.local,
                    world_size=env.per_node, lighthouse_addr=f"http://{env.addrs[0]}:{a.lighthouse_port}",
                    hostname=env.addrs[env.node], timeout=timeout, quorum_timeout=timeout,
-                   connect_timeout=timeout, init_sync=False)
+                   connect_timeout=timeout, init_sync=False,
+                   checkpoint_transport=NodeHTTPTransport(timeout=timeout, num_chunks=0))
 
 
 def worker(a: argparse.Namespace) -> int:
