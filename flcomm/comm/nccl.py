@@ -200,14 +200,16 @@ class NcclTransport(Transport):
         return cls(comm, tier, stats, timeout, blocking_wait)
 
     def split(self, color: int, key: int | None = None, tier: LinkTier | str | None = None, *,
-              max_ctas: int | None = None) -> NcclTransport | None:
+              max_ctas: int | None = None, cta_policy: int | None = None) -> NcclTransport | None:
         """Sub-communicator of the ranks passing ``color`` (ordered by ``key``, default the rank);
         ``color < 0`` joins none and gets None. Collective over this transport; shares its stats.
 
         ``max_ctas``: the most CTAs (SMs) each collective of the new communicator may hold
-        (ncclConfig_t.maxCTAs); None keeps NCCL's default."""
+        (ncclConfig_t.maxCTAs); ``cta_policy``: ncclConfig_t.CTAPolicy, a value of the library's
+        ``NCCL_CTA_POLICIES`` (NCCL >= 2.27). None keeps NCCL's default."""
         args = (color, self.rank if key is None else key, _seconds(self.timeout))
-        child = self.comm.split(*args) if max_ctas is None else self.comm.split(*args, max_ctas=max_ctas)
+        config = {k: v for k, v in (("max_ctas", max_ctas), ("cta_policy", cta_policy)) if v is not None}
+        child = self.comm.split(*args, **config)
         if child is None:
             return None
         return NcclTransport(child, self.tier if tier is None else tier, self.stats, self.timeout,

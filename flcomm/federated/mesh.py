@@ -32,6 +32,24 @@ class TransportKind(Choice, what="transport"):
     NATIVE = "native"
 
 
+def _cta_policy_value(name: str | None, kind: TransportKind) -> int | None:
+    """The NCCL value of CTA policy ``name`` for the exchange's communicators (None: NCCL's
+    default), refused before anything is built: native transport only (torch's
+    ProcessGroupNCCL options have no CTA policy), and one of the loaded NCCL's policies."""
+    if name is None:
+        return None
+    if kind is not TransportKind.NATIVE:
+        raise ValueError(f"exchange_cta_policy needs transport='native' (torch's ProcessGroupNCCL has no CTA "
+                         f"policy option), got exchange_cta_policy={name!r} with transport='{kind.value}'")
+    from flcomm.comm.nccl import library
+
+    policies = dict(getattr(library(), "NCCL_CTA_POLICIES", {}))
+    if name not in policies:
+        have = ", ".join(sorted(policies)) or "none (NCCL >= 2.27 has them)"
+        raise ValueError(f"exchange_cta_policy must be one of the loaded NCCL's CTA policies ({have}), got {name!r}")
+    return int(policies[name])
+
+
 class FedMesh:
     """A rank's view of a :class:`Topology` once torch.distributed is initialized: the
     DeviceMesh ("fed", "replicate", "shard"), the process groups of each tier, and transports on
@@ -52,7 +70,8 @@ class FedMesh:
 
     def __init__(self, topo: Topology, device_type: str, stats: CommStats | None,
                  timeout: timedelta, hierarchical: bool, group_rank: int | None = None,
-                 exchange_max_ctas: int | None = EXCHANGE_MAX_CTAS, transport: str = "torch") -> None:
+                 exchange_max_ctas: int | None = EXCHANGE_MAX_CTAS, transport: str = "torch",
+                 exchange_cta_policy: str | None = None) -> None:
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
@@ -62,6 +81,8 @@ class FedMesh:
             raise RuntimeError("Topology.build needs torch.distributed to be initialized first")
         if self.transport_kind is TransportKind.NATIVE:
             _check_native(device_type)
+        self._cta_policy = _cta_policy_value(exchange_cta_policy, self.transport_kind)
+        self.exchange_cta_policy = exchange_cta_policy
         self.group_world = group_rank is not None
         want = topo.group_size if self.group_world else topo.world_size
         if dist.get_world_size() != want:
@@ -148,8 +169,9 @@ class FedMesh:
         color, key = (mine[0], mine[1]) if mine is not None else (-1, 0)
         if mine is not None:
             self.group_ranks[name] = mine[2]
-        cap = self.exchange_max_ctas if name in EXCHANGE_GROUPS else None
-        t = self._root.split(color, key, self.tier(name) if mine is not None else None, max_ctas=cap)
+        cap, policy = (self.exchange_max_ctas, self._cta_policy) if name in EXCHANGE_GROUPS else (None, None)
+        t = self._root.split(color, key, self.tier(name) if mine is not None else None, max_ctas=cap,
+                             cta_policy=policy)
         if t is not None:
             t.ranks = self._torch_ranks(self.group_ranks[name])
             self._native[name] = t

@@ -202,7 +202,7 @@ class Topology:
     def build(self, device_type: str = "cpu", stats: CommStats | None = None,
               timeout: timedelta = DEFAULT_TIMEOUT, hierarchical: bool = True,
               group_rank: int | None = None, exchange_max_ctas: int | None = EXCHANGE_MAX_CTAS,
-              transport: str = "torch") -> FedMesh:
+              transport: str = "torch", exchange_cta_policy: str | None = None) -> FedMesh:
         """Create the DeviceMesh and the process groups (collective: every rank calls it).
 
         ``group_rank``: torch.distributed's world is this rank's federation group only (elastic
@@ -215,7 +215,11 @@ class Topology:
         ``"torch"``, torch.distributed's process groups; ``"native"``, flcomm's NCCL communicators
         (CUDA only), one root per process and every tier split from it. FSDP's DeviceMesh stays on
         torch's process groups either way.
+        ``exchange_cta_policy``: ``transport="native"`` only, the exchange's communicators' NCCL CTA
+        policy (NCCL >= 2.27: ``"default"``, ``"efficiency"``, ``"zero"``; None: NCCL's default),
+        beside ``exchange_max_ctas``.
         """
         from flcomm.federated.mesh import FedMesh  # NOTE: the runtime half; this module stays a description
 
-        return FedMesh(self, device_type, stats, timeout, hierarchical, group_rank, exchange_max_ctas, transport)
+        return FedMesh(self, device_type, stats, timeout, hierarchical, group_rank, exchange_max_ctas, transport,
+                       exchange_cta_policy)

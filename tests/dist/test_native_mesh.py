@@ -161,3 +161,36 @@ def test_the_stand_in_keeps_the_real_classes_rules():
         assert out["child"] == (1, 2, 0) and out["no_color"]
         assert "was aborted (abort() was called)" in out["after_abort"]
         assert out["parent_ok"] == 2.0
+
+
+def _cta_policy(rank, world):
+    from tests.common import fake_nccl
+
+    out = {}
+    with fake_nccl.installed():
+        fm = Topology(4, 2, group_size=2, shard_size=1).build("cpu", transport="native",
+                                                              exchange_cta_policy="efficiency")
+        rep = fm.private_transport("replicate_exchange", "replicate")
+        out["policies"] = {name: fm.transport(name).comm.cta_policy for name in ("fed", "shard", "replicate", "group")}
+        out["policies"]["replicate_exchange"] = rep.comm.cta_policy
+        out["value"] = fake_nccl.NCCL_CTA_POLICIES["efficiency"]
+        fm.close()
+        for kw in ({"transport": "native", "exchange_cta_policy": "fastest"},
+                   {"transport": "torch", "exchange_cta_policy": "zero"}):
+            try:
+                Topology(4, 2, group_size=2).build("cpu", **kw)
+                out[kw["transport"]] = None
+            except ValueError as e:
+                out[kw["transport"]] = str(e)
+    return out
+
+
+def test_the_exchange_communicators_take_the_cta_policy_and_the_others_keep_nccls():
+    """``exchange_cta_policy``: the exchange's splits (``fed``, ``replicate_exchange``) carry the
+    loaded NCCL's value for the name; every other tier keeps NCCL's default (-1); a name the NCCL
+    does not have, or the torch transport, is refused naming what was expected."""
+    for out in run_distributed(_cta_policy, 4, timeout=120):
+        v = out["value"]
+        assert out["policies"] == {"fed": v, "replicate_exchange": v, "shard": -1, "replicate": -1, "group": -1}, out
+        assert "one of the loaded NCCL's CTA policies (default, efficiency, zero), got 'fastest'" in out["native"]
+        assert "exchange_cta_policy needs transport='native'" in out["torch"] and "'zero'" in out["torch"]
