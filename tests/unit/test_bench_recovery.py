@@ -88,3 +88,13 @@ def test_records_and_runs_read_back(tmp_path):
     assert back["records"] == clean["records"] and back["steps"] == N
     rows = recovery.reanalyse([str(tmp_path)])
     assert len(rows) == 1 and rows[0]["lib"] == "fl" and rows[0]["kill_step"] == 6
+
+
+def test_a_run_whose_rank_was_never_killed_is_refused_by_name():
+    clean = _clean()
+    try:
+        recovery.analyse(clean, clean)
+    except ValueError as e:
+        assert "rank 2 has no kill record" in str(e)
+    else:
+        raise AssertionError("analyse accepted a run without a kill record")
