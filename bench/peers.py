@@ -415,6 +415,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def reap(procs: list[subprocess.Popen], files: list[Any] = ()) -> None:
+    """Kill those of ``procs`` still running, wait for all, and close ``files`` (their logs)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    for f in files:
+        f.close()
+
+
+def serve(c: Any, node: int, code: str, log_path: str) -> subprocess.Popen:
+    """``python -c code`` in ``node`` of cluster ``c`` (a lighthouse or a store), its output to
+    ``log_path``; the caller reaps it."""
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, "w") as log:  # NOTE: the child keeps its own descriptor
+        return subprocess.Popen(c.exec_argv(node, [sys.executable, "-c", code]), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def lighthouse_code(port: int, min_replicas: int) -> str:
+    """The statements that start torchft's lighthouse on ``port`` (for :func:`serve`)."""
+    return (f"from torchft._torchft import LighthouseServer; "
+            f"h = LighthouseServer(bind='[::]:{port}', min_replicas={min_replicas}); "
+            "print('lighthouse', h.address(), flush=True); ")
+
+
 class LocalCluster:
     """The emulated cluster's launch interface on loopback, for machines without root: every
     node's address is 127.0.0.1; no shaping, no interface counters."""
@@ -457,12 +483,7 @@ class LocalCluster:
                     break
                 time.sleep(0.1)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-            for f in files:
-                f.close()
+            reap(procs, files)
         bad = [r for r, p in enumerate(procs) if p.returncode != 0]
         if bad:
             with open(os.path.join(log_dir, f"rank{bad[0]}.log")) as f:
@@ -490,13 +511,8 @@ def run_row(c: Any, a: argparse.Namespace, row: str, E: int, out: str, empty: bo
     if row.startswith("tft"):
         from torchft._torchft import LighthouseServer  # noqa: F401 (fails early without torchft)
 
-        code = ("import time; from torchft._torchft import LighthouseServer; "
-                f"s = LighthouseServer(bind='[::]:{lh_port}', min_replicas={a.nodes}); "
-                "print('lighthouse', s.address(), flush=True); time.sleep(1e9)")
-        os.makedirs(out, exist_ok=True)
-        lh_log = open(os.path.join(out, "lighthouse.log"), "w")
-        lighthouse = subprocess.Popen(c.exec_argv(0, [sys.executable, "-c", code]), stdout=lh_log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+        lighthouse = serve(c, 0, f"import time; {lighthouse_code(lh_port, a.nodes)}time.sleep(1e9)",
+                           os.path.join(out, "lighthouse.log"))
     argv = [sys.executable, "-m", "bench.peers", "worker", "--row", row, "--sync-every", str(E), "--model", a.model,
             "--steps", str(a.steps), "--warmup", str(E), "--batch-size", str(a.batch_size),
             "--seq-len", str(a.seq_len), "--lr", str(a.lr), "--seed", str(a.seed), "--eval-batches",
@@ -508,9 +524,7 @@ def run_row(c: Any, a: argparse.Namespace, row: str, E: int, out: str, empty: bo
                  stream_rank0=False, cwd=ROOT)
     finally:
         if lighthouse is not None:
-            lighthouse.kill()
-            lighthouse.wait()
-            lh_log.close()
+            reap([lighthouse])
     wall = time.perf_counter() - t0
     with open(os.path.join(out, "row.json"), "w") as f:
         json.dump({"row": row, "sync_every": E, "empty": empty, "wall_s": wall}, f)
@@ -640,7 +654,9 @@ def bench(a: argparse.Namespace) -> int:
             sys.exit(f"--steps: expected a multiple of every --sync-every above it (the first round is the warm-up), "
                      f"got {a.steps} with E = {E}")
     for E in a.sync_every if a.recovery else ():
-        k = a.kill_step if a.kill_step is not None else E + E // 2
+        from bench.recovery import kill_step
+
+        k = kill_step(a, E)
         if not 1 <= k < a.steps - E:
             sys.exit(f"--kill-step: expected a step in [1, {a.steps - E}) for E = {E} (a sync must follow the "
                      f"restart), got {k}")

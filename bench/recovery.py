@@ -53,9 +53,13 @@ from bench.peers import (  # noqa: E402
     OUTER_LR,
     OUTER_MOMENTUM,
     Env,
+    _local_shard,
     build_data,
     build_model_sharded,
     free_port,
+    lighthouse_code,
+    reap,
+    serve,
     tft_manager,
 )
 
@@ -67,8 +71,6 @@ RESTART_PORT_STRIDE = 100  # torchft: a restarted group's store port is base + n
 # ---------------------------------------------------------------- one rank ----
 
 def _digest(model: Any) -> str:
-    from bench.peers import _local_shard
-
     return hashlib.sha1(_local_shard(model).numpy().tobytes()).hexdigest()
 
 
@@ -198,10 +200,7 @@ def supervise(c: Any, argv: list[str], ranks_per_node: int, env: dict[str, str],
                 g = r // ranks_per_node
                 if p.poll() not in (None, 0) and g == kill_group and not restarted:
                     mates = range(g * ranks_per_node, (g + 1) * ranks_per_node)
-                    for q in mates:
-                        if procs[q].poll() is None:
-                            procs[q].kill()
-                        procs[q].wait()
+                    reap([procs[q] for q in mates])
                     for q in mates:
                         procs[q] = start(q, 1)
                     restarted = True
@@ -210,24 +209,13 @@ def supervise(c: Any, argv: list[str], ranks_per_node: int, env: dict[str, str],
                     raise RuntimeError(f"rank {r} failed (exit code {p.returncode}); its log: {log_dir}")
             time.sleep(0.05)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        for f in files:
-            f.close()
+        reap(procs, files)
     return [p.returncode for p in procs]
 
 
 def _nodes(c: Any) -> int:
     # NOTE: duck-typed: under python -m bench.peers, its LocalCluster is __main__'s, not bench.peers'
     return c.spec.nodes if hasattr(c, "spec") else c.nodes
-
-
-def _serve(c: Any, node: int, code: str, log_path: str) -> subprocess.Popen:
-    log = open(log_path, "w")
-    return subprocess.Popen(c.exec_argv(node, [sys.executable, "-c", code]), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
 
 
 def run_once(c: Any, a: argparse.Namespace, lib: str, E: int, out: str, kill: bool) -> dict:
@@ -237,9 +225,8 @@ def run_once(c: Any, a: argparse.Namespace, lib: str, E: int, out: str, kill: bo
     os.makedirs(out, exist_ok=True)
     # the job's store (flcomm's elastic federation; both libraries' start barrier) and, for
     # torchft, the lighthouse, in node 0
-    lighthouse = ("from torchft._torchft import LighthouseServer; "
-                  f"h = LighthouseServer(bind='[::]:{ports['lighthouse']}', min_replicas=1); " if lib == "tft" else "")
-    server = _serve(c, 0, f"import time, datetime, torch.distributed as d; {lighthouse}"
+    lighthouse = lighthouse_code(ports["lighthouse"], 1) if lib == "tft" else ""
+    server = serve(c, 0, f"import time, datetime, torch.distributed as d; {lighthouse}"
                           f"s = d.TCPStore('{c.addr(0)}', {ports['job']}, None, True, "
                           "timeout=datetime.timedelta(seconds=600), wait_for_workers=False); "
                           "print('up', flush=True); time.sleep(1e9)", os.path.join(out, "server.log"))
@@ -257,8 +244,7 @@ def run_once(c: Any, a: argparse.Namespace, lib: str, E: int, out: str, kill: bo
         time.sleep(1.0)  # NOTE: the lighthouse or store is up before a rank dials it
         supervise(c, argv, a.ranks_per_node, env, os.path.join(out, "logs"), a.timeout * 2, 1 if kill else None)
     finally:
-        server.kill()
-        server.wait()
+        reap([server])
     meta = {"lib": lib, "sync_every": E, "kill": kill, "kill_rank": kill_rank, "kill_step": kill_step(a, E),
             "steps": a.steps, "ranks_per_node": a.ranks_per_node, "nodes": nodes, "wall_s": time.perf_counter() - t0}
     with open(os.path.join(out, "run.json"), "w") as f:

@@ -257,11 +257,15 @@ class Federation:
         """Some rank already decided round ``round_name`` of this generation."""
         return self.kv.check([f"g{self.generation}/{round_name}/outcome"])
 
+    def _asked_to_rejoin(self, f: int) -> bool:
+        """Every rank of group ``f`` asked to rejoin (:meth:`rejoin`)."""
+        return self.kv.check([f"rejoin/{f}/{r}" for r in self.topology.group_ranks(f)])
+
     def _pending_rejoins(self) -> list[int]:
         """The lost groups all of whose ranks asked to rejoin."""
         out = []
         for f in range(self.topology.num_groups):
-            if f not in self.groups and self.kv.check([f"rejoin/{f}/{r}" for r in self.topology.group_ranks(f)]):
+            if f not in self.groups and self._asked_to_rejoin(f):
                 out.append(f)
         return out
 
@@ -328,7 +332,7 @@ class Federation:
                and not self._silent_are_restarting(g)):
             poll.sleep()
             cnt = self.kv.add(f"g{g}/alive_n", 0)
-        missing = tuple(r for r in self.live_ranks() if not self.kv.check([f"g{g}/alive/{r}"]))
+        missing = self._silent(g)
         lost = tuple(f for f in self.groups if set(self.topology.group_ranks(f)) & set(missing))
         keep = tuple(f for f in self.groups if f not in lost)
         new = self._decide(Membership(g + 1, keep, step, lost, (), missing))
@@ -338,10 +342,12 @@ class Federation:
     def _silent_are_restarting(self, g: int) -> bool:
         """Every live rank not yet announced in generation ``g`` is of a group whose every rank
         asked to rejoin: a restarted incarnation (step 3 of the module docstring)."""
-        silent = [r for r in self.live_ranks() if not self.kv.check([f"g{g}/alive/{r}"])]
-        groups = {self.topology.coords(r).group for r in silent}
-        return bool(groups) and all(self.kv.check([f"rejoin/{f}/{r}" for r in self.topology.group_ranks(f)])
-                                    for f in groups)
+        groups = {self.topology.coords(r).group for r in self._silent(g)}
+        return bool(groups) and all(self._asked_to_rejoin(f) for f in groups)
+
+    def _silent(self, g: int) -> tuple[int, ...]:
+        """The live ranks that have not announced themselves in generation ``g``."""
+        return tuple(r for r in self.live_ranks() if not self.kv.check([f"g{g}/alive/{r}"]))
 
     def advance(self, admit: tuple[int, ...], step: int) -> Membership:
         """After a committed round that admitted ``admit``: the next generation, with them."""

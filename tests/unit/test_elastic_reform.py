@@ -29,9 +29,10 @@ def federation(monkeypatch):
     monkeypatch.setattr(elastic, "store_group", lambda *a, **k: _Group())
     monkeypatch.setattr(elastic.Federation, "members", lambda self, groups: [self.rank])
 
-    def make(grace_s: float):
+    def make(grace_s: float, topology: Topology | None = None):
         store = dist.HashStore()
-        return store, elastic.Federation(store, Topology(2, ranks_per_node=1, group_size=1), rank=0, grace_s=grace_s)
+        topology = topology or Topology(2, ranks_per_node=1, group_size=1)
+        return store, elastic.Federation(store, topology, rank=0, grace_s=grace_s)
 
     return make
 
@@ -60,26 +61,12 @@ def test_a_restarted_group_ends_the_wait_at_once(federation):
     assert fed._pending_rejoins() == [1]  # the next committed round admits it
 
 
-def test_a_group_not_all_of_whose_ranks_asked_is_waited_for(monkeypatch):
+def test_a_group_not_all_of_whose_ranks_asked_is_waited_for(federation):
     """Two groups of two ranks: one restarted rank of group 1 asking is not the group: rank 0 of
     group 0 waits the grace for rank 1 (its own group) and for group 1's silent ranks."""
-    from flcomm.federated import elastic
     from flcomm.federated.topology import Topology
 
-    class _Group:
-        def size(self):
-            return 1
-
-        def rank(self):
-            return 0
-
-        def abort(self):
-            pass
-
-    monkeypatch.setattr(elastic, "store_group", lambda *a, **k: _Group())
-    monkeypatch.setattr(elastic.Federation, "members", lambda self, groups: [self.rank])
-    store = dist.HashStore()
-    fed = elastic.Federation(store, Topology(4, ranks_per_node=2, group_size=2), rank=0, grace_s=0.3)
+    _, fed = federation(0.3, Topology(4, ranks_per_node=2, group_size=2))
     fed.kv.set("g0/alive/1", "1")
     fed.kv.add("g0/alive_n", 1)
     fed.kv.set("rejoin/1/2", "1")
