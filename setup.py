@@ -120,8 +120,9 @@ def nvcc_flags(debug: bool = False) -> list[str]:
     NOTE: no --use_fast_math: it implies -ftz=true, and flushing subnormals to zero breaks the
     bit-for-bit match with the CPU kernels (error-feedback residuals of tiny blocks keep
     subnormals). -ftz=false is spelled out; the kernels round explicitly (__fmul_rn, ...), so FMA
-    contraction does not matter. tests/system/test_ptx_ftz.py compiles csrc/quant_cuda.cu to PTX with
-    these flags (ptx_command) and asserts that no `.ftz` instruction appears.
+    contraction does not matter. tests/system/test_ptx_ftz.py compiles csrc/quant_cuda.cu and
+    csrc/sparse_cuda.cu to PTX with these flags (ptx_command) and asserts that no `.ftz`
+    instruction appears.
     """
     opt = ["-O0", "-g"] if debug else ["-O3"]
     return opt + ["-ftz=false", "-prec-div=true", "-prec-sqrt=true", "--expt-relaxed-constexpr", "-lineinfo"]

@@ -17,6 +17,11 @@ TORCH_LIBRARY(flcomm, m) {
   m.def("quantize(Tensor x, Tensor(a!) out, str fmt, int block_size) -> ()");
   m.def("dequantize(Tensor buf, Tensor(a!) out, str fmt, int block_size, bool accumulate) -> ()");
   m.def("quantize_error_feedback(Tensor x, Tensor(a!) residual, Tensor(a!) out, str fmt, int block_size) -> ()");
+  // [sparse top-k kernels]
+  // sparse.cpp (+ sparse_cuda.cu; layout and rule in sparse.h): k of each block of `block`
+  // elements kept, in `bits` bits each; with a residual, fused error feedback
+  m.def("topk_encode(Tensor x, Tensor(a!)? residual, Tensor(b!) out, int block, int k, int bits) -> ()");
+  m.def("topk_decode(Tensor buf, Tensor(a!) out, int block, int k, int bits, bool accumulate) -> ()");
   // [reorder kernels]
   // reorder.cpp (+ reorder_cuda.cu): view input as [rows, cols, chunk], write [cols, rows, chunk]
   m.def("shard_transpose(Tensor input, int rows, int cols) -> Tensor");

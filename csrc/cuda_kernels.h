@@ -4,6 +4,7 @@
 #pragma once
 
 #include "quant.h"
+#include "sparse.h"
 
 #include <cuda_runtime_api.h>
 
@@ -24,6 +25,15 @@ void dequantize(quant::Fmt f, const uint8_t* buf, float* out, int64_t n, int64_t
 // (chunk_bytes > 0; in and out do not overlap).
 void shard_transpose(const void* in, void* out, int64_t rows, int64_t cols, int64_t chunk_bytes,
                      cudaStream_t stream);
+
+// sparse_cuda.cu (layout and rule in sparse.h). topk_encode: the n floats of `x` (plus
+// `residual` for error feedback, else nullptr; it then gets the new residual) into the encoded
+// buffer `buf` of sparse::encoded_nbytes(n, block, k, bits) bytes, every byte of it written.
+// topk_decode: `buf` into (accumulate: onto) the n floats of `out`.
+void topk_encode(const float* x, float* residual, uint8_t* buf, int64_t n, int64_t block, int64_t k,
+                 int64_t bits, cudaStream_t stream);
+void topk_decode(const uint8_t* buf, float* out, int64_t n, int64_t block, int64_t k, int64_t bits,
+                 bool accumulate, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace flcomm

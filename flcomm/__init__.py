@@ -18,7 +18,8 @@ type-only ones included, and checks these rules):
 * ``_native`` and ``info`` import only each other;
 * ``comm`` (transports) imports only ``_native``, ``info`` and ``enums``: never collectives or
   anything above;
-* ``kernels`` imports ``_native``; ``codecs`` imports ``kernels`` (public names only);
+* ``kernels`` imports ``_native``; ``sparse`` (the top-k kernels) imports ``kernels``;
+  ``codecs`` imports both (public names only);
 * ``collectives`` imports ``comm``, ``codecs``, ``kernels``: never ``federated``, ``fsdp``,
   ``costmodel`` or ``train``;
 * ``fsdp`` (hooks) imports ``collectives`` and below: a hook takes a ``Hierarchy`` or a

@@ -159,6 +159,19 @@ def check_buf(name: str, buf: Tensor, nbytes: int, device: torch.device, fmt: st
                              f"{buf.data_ptr():#x} (a uint8 view at an odd offset?)")
 
 
+def decode_target(out: Tensor | None, numel: int, device: torch.device, accumulate: bool) -> Tensor:
+    """The fp32 tensor a decode of ``numel`` elements writes: ``out`` checked (contiguous fp32 of
+    ``numel`` elements), or a new one on ``device`` (not with ``accumulate``, which needs one)."""
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs an `out` tensor to accumulate into")
+        out = torch.empty(numel, dtype=torch.float32, device=device)
+    check_fp32("out", out)
+    if out.numel() != numel:
+        raise ValueError(f"out must have numel={numel} elements, got {out.numel()}")
+    return out
+
+
 def _check_same(name: str, t: Tensor, ref: Tensor) -> None:
     if t.numel() != ref.numel():
         raise ValueError(f"{name} must have {ref.numel()} elements like x, got {t.numel()}")
@@ -177,26 +190,33 @@ def _native_has(op: str) -> bool:
         return False
 
 
+#: the operators of the quantization kernels (csrc/quant.cpp)
+QUANT_OPS: tuple[str, ...] = ("quantize", "dequantize", "quantize_error_feedback")
+
+
 @functools.cache
-def native_supports(device_type: str) -> bool:
-    """Whether the native kernels are built for ``device_type`` ("cpu" or "cuda")."""
-    if not _native_has("quantize") or device_type not in ("cpu", "cuda"):
+def native_supports(device_type: str, ops: tuple[str, ...] = QUANT_OPS) -> bool:
+    """Whether the native kernels ``ops`` (default: the quantization kernels) are built for
+    ``device_type`` ("cpu" or "cuda")."""
+    if not _native_has(ops[0]) or device_type not in ("cpu", "cuda"):
         return False
-    # NOTE: ask the dispatcher: an extension built with CUDA may still lack quant_cuda.cu.
+    # NOTE: ask the dispatcher: an extension built with CUDA may still lack a .cu file's kernels.
     key = "CPU" if device_type == "cpu" else "CUDA"
-    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"flcomm::{op}", key)
-               for op in ("quantize", "dequantize", "quantize_error_feedback"))
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"flcomm::{op}", key) for op in ops)
 
 
-def _use_native(backend: str | None, device: torch.device) -> bool:
+def use_native(backend: str | None, device: torch.device, ops: tuple[str, ...] = QUANT_OPS) -> bool:
+    """Whether a call on ``device`` with ``backend`` (None: ``FLCOMM_KERNELS``, else auto) runs
+    the native kernels ``ops``; RuntimeError when ``"native"`` was asked for and they are not
+    built."""
     backend = backend or os.environ.get("FLCOMM_KERNELS", "auto")
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "torch":
         return False
-    ok = native_supports(device.type)
+    ok = native_supports(device.type, ops)
     if backend == "native" and not ok:
-        reason = _native.unavailable_reason() or f"flcomm._C has no quantization kernels for {device.type}"
+        reason = _native.unavailable_reason() or f"flcomm._C has no kernels {', '.join(ops)} for {device.type}"
         raise RuntimeError(f"backend='native' requested but unavailable: {reason}")
     return ok
 
@@ -211,7 +231,7 @@ def quantize(x: Tensor, out: Tensor | None = None, *, fmt: str, block_size: int 
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     check_buf("out", out, nbytes, x.device, fmt)
-    if _use_native(backend, x.device):
+    if use_native(backend, x.device):
         _native.ops().quantize(x.view(-1), out, fmt, block_size)
     else:
         quantize_ref(x, out, fmt=fmt, block_size=block_size)
@@ -224,15 +244,9 @@ def dequantize(buf: Tensor, numel: int, out: Tensor | None = None, *, fmt: str,
     """Decode ``buf`` into fp32 ``out`` (``numel`` elements); with ``accumulate``, ``out +=``
     the decoded values (the fused reduce step of the two-hop all-reduce)."""
     check_format(fmt, block_size)
-    if out is None:
-        if accumulate:
-            raise ValueError("accumulate=True needs an `out` tensor to accumulate into")
-        out = torch.empty(numel, dtype=torch.float32, device=buf.device)
-    check_fp32("out", out)
-    if out.numel() != numel:
-        raise ValueError(f"out must have numel={numel} elements, got {out.numel()}")
+    out = decode_target(out, numel, buf.device, accumulate)
     check_buf("buf", buf, encoded_nbytes(numel, fmt, block_size), out.device, fmt)
-    if _use_native(backend, out.device):
+    if use_native(backend, out.device):
         _native.ops().dequantize(buf, out.view(-1), fmt, block_size, accumulate)
     else:
         dequantize_ref(buf, out, fmt=fmt, block_size=block_size, accumulate=accumulate)
@@ -255,7 +269,7 @@ def quantize_error_feedback(x: Tensor, residual: Tensor, out: Tensor | None = No
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     check_buf("out", out, nbytes, x.device, fmt)
-    if _use_native(backend, x.device):
+    if use_native(backend, x.device):
         _native.ops().quantize_error_feedback(x.view(-1), residual.view(-1), out, fmt, block_size)
     else:
         quantize_error_feedback_ref(x, residual, out, fmt=fmt, block_size=block_size)

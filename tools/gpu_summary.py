@@ -28,8 +28,9 @@ import tarfile
 import xml.etree.ElementTree as ET
 from typing import Any
 
-#: the quantization kernels of csrc/quant_cuda.cu, whose SASS must hold no .FTZ
-QUANT_KERNELS = ("quant_blocks_kernel", "dequant_blocks_kernel", "cast_kernel", "uncast_kernel")
+#: the float kernels of csrc/quant_cuda.cu and csrc/sparse_cuda.cu, whose SASS must hold no .FTZ
+QUANT_KERNELS = ("quant_blocks_kernel", "dequant_blocks_kernel", "cast_kernel", "uncast_kernel",
+                 "topk_encode_kernel", "topk_decode_kernel")
 #: ok needs at least this fraction of the single-GPU tests (gpu-marked, selected) to pass
 MIN_PASSED_FRACTION = 0.8
 #: pytest steps; their junit XML and logs are WORK/<step>.xml and WORK/<step>.log

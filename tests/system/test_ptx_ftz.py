@@ -1,6 +1,7 @@
-"""The nvcc flags setup.py builds with keep subnormals: csrc/quant_cuda.cu compiled to PTX with
-setup.py's own command line has no flush-to-zero instruction (runs nvcc; skipped without a CUDA
-toolkit or with a CPU build of torch)."""
+"""The nvcc flags setup.py builds with keep subnormals: each .cu file that does float arithmetic
+(csrc/quant_cuda.cu, csrc/sparse_cuda.cu) compiled to PTX with setup.py's own command line has no
+flush-to-zero instruction (runs nvcc; skipped without a CUDA toolkit or with a CPU build of
+torch)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,16 @@ def _setup_module():
     return mod
 
 
+#: the .cu files that do float arithmetic, each with a kernel whose name must be in its PTX
+FLOAT_SOURCES = [("quant_cuda.cu", "quant_blocks_kernel"), ("sparse_cuda.cu", "topk_encode_kernel")]
+
+
 @pytest.mark.timeout(600)
-def test_no_ftz_in_quantization_ptx(tmp_path):
+@pytest.mark.parametrize(("source", "kernel"), FLOAT_SOURCES, ids=[s for s, _ in FLOAT_SOURCES])
+def test_no_ftz_in_float_kernels_ptx(tmp_path, source, kernel):
     """Item 2: the nvcc flags setup.py builds with must not flush subnormals to zero. Compiles
-    csrc/quant_cuda.cu to PTX with setup.py's own command line (ptx_command: its nvcc_flags,
-    torch's flags and include paths) and asserts that no `.ftz` instruction appears."""
+    `source` to PTX with setup.py's own command line (ptx_command: its nvcc_flags, torch's flags
+    and include paths) and asserts that no `.ftz` instruction appears."""
     import os
     import subprocess
 
@@ -36,12 +42,12 @@ def test_no_ftz_in_quantization_ptx(tmp_path):
         pytest.skip("no CUDA toolkit (nvcc) found: set CUDA_HOME")
     if torch.version.cuda is None:
         pytest.skip(f"torch {torch.__version__} is a CPU build: no CUDA headers to compile against")
-    src = os.path.join(os.path.dirname(setup.__file__), "csrc", "quant_cuda.cu")
-    out = tmp_path / "quant_cuda.ptx"
+    src = os.path.join(os.path.dirname(setup.__file__), "csrc", source)
+    out = tmp_path / source.replace(".cu", ".ptx")
     cmd = setup.ptx_command(src, str(out), arch="90", cuda_home=home)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=580)
     assert p.returncode == 0, f"nvcc failed: {' '.join(cmd)}\n{p.stderr[-3000:]}"
     ptx = out.read_text()
-    assert "quant_blocks_kernel" in ptx, "the quantization kernels are not in the PTX"
+    assert kernel in ptx, f"{kernel} is not in the PTX of {source}"
     ftz = sorted({line.split()[0] for line in ptx.splitlines() if ".ftz" in line})
-    assert not ftz, f"flush-to-zero instructions in the PTX: {ftz[:10]}"
+    assert not ftz, f"flush-to-zero instructions in the PTX of {source}: {ftz[:10]}"

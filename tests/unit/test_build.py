@@ -67,7 +67,7 @@ def test_only_the_binding_file_includes_the_python_glue(src):
 
 
 def test_cuda_build_registers_every_operator_for_cuda():
-    """The CUDA implementations in quant.cpp / reorder.cpp compile only with FLCOMM_WITH_CUDA: a
+    """The CUDA implementations in quant.cpp / reorder.cpp / sparse.cpp compile only with FLCOMM_WITH_CUDA: a
     CUDA build must define it for the C++ sources too, or the kernels would be built and never
     registered."""
     from flcomm import _native
@@ -76,7 +76,8 @@ def test_cuda_build_registers_every_operator_for_cuda():
     if not _native.available():
         pytest.skip(f"flcomm._C not built: {_native.unavailable_reason()}")
     info = build_info()
-    expected = {"quantize", "dequantize", "quantize_error_feedback", "shard_transpose", "shard_transpose_out"}
+    expected = {"quantize", "dequantize", "quantize_error_feedback", "shard_transpose", "shard_transpose_out",
+                "topk_encode", "topk_decode"}
     assert set(info["cpu_kernels"]) == expected, info["cpu_kernels"]
     if not info["cuda_compiled"]:
         assert info["cuda_kernels"] == [], info["cuda_kernels"]

@@ -23,7 +23,8 @@ ALLOWED: dict[str, set[str]] = {
     "info": {"_native", "enums", "__init__"},
     "comm": {"_native", "info", "enums"},
     "kernels": {"_native", "enums"},
-    "codecs": {"kernels", "_native", "enums"},
+    "sparse": {"kernels", "_native", "enums"},  # NOTE: the sparse kernels, beside the quantization ones
+    "codecs": {"kernels", "sparse", "_native", "enums"},
     "collectives": {"comm", "codecs", "kernels", "_native", "enums", "info"},
     "fsdp": {"collectives", "comm", "codecs", "kernels", "_native", "enums", "info"},
     "federated": {"collectives", "comm", "codecs", "kernels", "_native", "enums", "info"},
