@@ -1,6 +1,7 @@
 """Codecs: how an fp32 tensor is put on the wire. A user picks one by name::
 
-    codec = get_codec("int8")                 # none, bf16, fp16, int8, fp8
+    codec = get_codec("int8")                 # none, bf16, fp16, int8, fp8, topk
+    codec = get_codec("topk:d=0.02:bits=2")   # options after the name, or as keywords
     buf = codec.encode(x)                     # uint8: payload and scales in one buffer
     y = codec.decode(buf, x.numel())          # fp32
     codec.decode_accumulate(buf, n, acc)      # acc += decode(buf): the reduce step
@@ -18,9 +19,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from flcomm import kernels
+from flcomm import kernels, sparse
 
-__all__ = ["CODECS", "Codec", "KernelCodec", "NoneCodec", "get_codec", "register_codec"]
+__all__ = ["CODECS", "DENSE_CODECS", "Codec", "KernelCodec", "NoneCodec", "TopKCodec", "get_codec", "register_codec"]
 
 
 class Codec(ABC):
@@ -31,14 +32,24 @@ class Codec(ABC):
         lossless: whether ``decode(encode(x)) == x`` bit for bit.
         align_numel: chunk sizes that are a multiple of this avoid partial blocks (collectives
             round their per-rank chunks up to it).
+        sparse: a sum of two encodings is not an encoding of the same size, so an all-reduce
+            does not reduce the encodings in two hops: it all-gathers them, and every rank
+            decodes and adds them all (:mod:`flcomm.collectives.compressed`).
     """
 
     name: ClassVar[str] = ""
     lossless: ClassVar[bool] = False
+    sparse: ClassVar[bool] = False
     align_numel: int = 4
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+    @property
+    def spec(self) -> str:
+        """The name :func:`get_codec` makes this codec from, options included (what configs and
+        checkpoints record)."""
+        return self.name
 
     @abstractmethod
     def encoded_nbytes(self, numel: int) -> int:
@@ -89,8 +100,9 @@ def register_codec(cls: type[Codec]) -> type[Codec]:
 
 
 def get_codec(name_or_codec: str | Codec, **kwargs: Any) -> Codec:
-    """The codec named ``name_or_codec`` (keyword arguments go to its constructor, e.g.
-    ``block_size``); a :class:`Codec` instance is returned as is."""
+    """The codec named ``name_or_codec``, with options after the name (``topk:d=0.02:bits=2``)
+    or as keyword arguments (``block_size=512``), which go to its constructor; a :class:`Codec`
+    instance is returned as is."""
     if isinstance(name_or_codec, Codec):
         if kwargs:
             raise ValueError(f"options {sorted(kwargs)} given with a codec instance {name_or_codec!r}")
@@ -98,10 +110,34 @@ def get_codec(name_or_codec: str | Codec, **kwargs: Any) -> Codec:
     if not isinstance(name_or_codec, str):
         raise TypeError(f"codec must be a name ({', '.join(CODECS)}) or a Codec, got "
                         f"{type(name_or_codec).__name__}")
-    cls = _REGISTRY.get(name_or_codec.lower())
+    name, *opts = name_or_codec.strip().lower().split(":")
+    cls = _REGISTRY.get(name)
     if cls is None:
         raise ValueError(f"unknown codec {name_or_codec!r}; known codecs: {', '.join(CODECS)}")
-    return cls(**kwargs)
+    options = dict(_option(name_or_codec, o) for o in opts)
+    both = sorted(set(options) & set(kwargs))
+    if both:
+        raise ValueError(f"codec options {both} given both in {name_or_codec!r} and as keywords")
+    try:
+        return cls(**options, **kwargs)
+    except TypeError as e:
+        raise ValueError(f"bad options for codec {name!r} in {name_or_codec!r}: {e}") from None
+
+
+def _option(spec: str, text: str) -> tuple[str, int | float]:
+    """One ``key=value`` option of a codec name; the value an int or a float."""
+    key, eq, value = text.partition("=")
+    if not eq or not key:
+        raise ValueError(f"codec options are key=value after the name, e.g. 'topk:d=0.02:bits=2'; "
+                         f"got {text!r} in {spec!r}")
+    try:
+        return key, int(value)
+    except ValueError:
+        pass
+    try:
+        return key, float(value)
+    except ValueError:
+        raise ValueError(f"codec option {key!r} must be a number, got {value!r} in {spec!r}") from None
 
 
 def _check_input(x: Tensor) -> None:
@@ -241,3 +277,78 @@ class FP8Codec(KernelCodec):
         amax = self._block_absmax(x)
         scale = amax / 448.0
         return x.abs() * 2.0**-4 * (1 + 2.0**-20) + scale * 2.0**-10 + amax * 2.0**-22
+
+
+@register_codec
+class TopKCodec(Codec):
+    """Sparse top-k: in each block of ``block`` elements the ``k = round(d * block)`` of largest
+    magnitude, as uint16 indices and ``bits``-bit values (a sign and ``2**(bits-1)`` magnitude
+    levels between the block's smallest and largest kept magnitude; :mod:`flcomm.sparse`).
+
+    Named with its options, ``topk:d=0.02:bits=2`` (``block=4096`` by default; ``k=`` instead of
+    ``d=`` gives the count itself). A sum of sparse encodings is not sparse, so the exchange does
+    not reduce in two hops: it all-gathers every rank's encoding and each rank decodes them all,
+    in rank order (:attr:`sparse`). Meant with error feedback, which keeps what was not sent."""
+
+    name = "topk"
+    sparse = True
+    DEFAULT_BLOCK = 4096
+    DEFAULT_DENSITY = 0.02
+    DEFAULT_BITS = 2
+
+    def __init__(self, d: float | None = None, bits: int = DEFAULT_BITS, block: int = DEFAULT_BLOCK,
+                 k: int | None = None, backend: str | None = None) -> None:
+        if backend is not None and backend not in kernels.BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(kernels.BACKENDS)}, got {backend!r}")
+        sparse.check_params(block, 1, bits)
+        if d is not None and k is not None:
+            raise ValueError(f"topk takes d (density) or k (elements per block), not both: got d={d!r}, k={k!r}")
+        if k is None:
+            d = self.DEFAULT_DENSITY if d is None else d
+            if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 1:
+                raise ValueError(f"topk's density d must be a number in (0, 1], got {d!r}")
+            k = max(1, min(block, round(d * block)))
+            self._option = f"d={d:g}"
+        else:
+            self._option = f"k={k}"
+        sparse.check_params(block, k, bits)
+        self.block, self.k, self.bits, self.backend = block, k, bits, backend
+        self.density = k / block
+        self.align_numel = block
+
+    @property
+    def spec(self) -> str:
+        s = f"topk:{self._option}:bits={self.bits}"
+        return s + (f":block={self.block}" if self.block != self.DEFAULT_BLOCK else "")
+
+    def __repr__(self) -> str:
+        return f"TopKCodec({self.spec!r}, k={self.k})"
+
+    def encoded_nbytes(self, numel: int) -> int:
+        return sparse.encoded_nbytes(numel, self.block, self.k, self.bits)
+
+    def _opts(self) -> dict:
+        return {"block": self.block, "k": self.k, "bits": self.bits, "backend": self.backend}
+
+    def encode(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        _check_input(x)
+        return sparse.topk_encode(x, out, **self._opts())
+
+    def decode(self, buf: Tensor, numel: int, out: Tensor | None = None) -> Tensor:
+        return sparse.topk_decode(buf, numel, out, **self._opts())
+
+    def decode_accumulate(self, buf: Tensor, numel: int, acc: Tensor) -> None:
+        sparse.topk_decode(buf, numel, acc, accumulate=True, **self._opts())
+
+    def encode_error_feedback(self, x: Tensor, residual: Tensor, out: Tensor | None = None) -> Tensor:
+        _check_input(x)
+        return sparse.topk_encode(x, out, residual=residual, **self._opts())
+
+    def error_bound(self, x: Tensor) -> Tensor:
+        # NOTE: an element not kept is dropped whole: the bound is |x| (kept ones err less)
+        return x.abs()
+
+
+#: the registered codecs an all-reduce reduces in two hops (all but the sparse ones): the choices of
+#: the replicas' gradient all-reduce, which takes a dense codec
+DENSE_CODECS: tuple[str, ...] = tuple(n for n in CODECS if not _REGISTRY[n].sparse)

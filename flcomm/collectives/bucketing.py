@@ -64,7 +64,7 @@ import torch
 from torch import Tensor
 
 from flcomm.codecs import Codec, get_codec
-from flcomm.collectives.compressed import TwoHopPlan, chunk_numel, lossless_all_reduce, parse_sum_avg
+from flcomm.collectives.compressed import GatherPlan, TwoHopPlan, lossless_all_reduce, make_plan, parse_sum_avg, wire_numel
 from flcomm.comm.base import ReduceOp, Transport, Work
 from flcomm.comm.engine import Job, ProgressEngine, get_engine
 
@@ -104,9 +104,9 @@ class _Slot:
 
     def __init__(self) -> None:
         self.bufs: dict[str, Tensor] = {}
-        self.plans: dict[tuple[int, torch.dtype], TwoHopPlan] = {}
+        self.plans: dict[tuple[int, torch.dtype], TwoHopPlan | GatherPlan] = {}
         self.work: Work | None = None
-        self.plan: TwoHopPlan | None = None
+        self.plan: TwoHopPlan | GatherPlan | None = None
         self.staged: Tensor | None = None  # the residual's device view while the bucket is exchanged
 
     def nbytes(self) -> int:
@@ -297,10 +297,9 @@ class BucketedAllReduce:
         def close() -> None:
             nonlocal segs, fill
             if fill:
-                # NOTE: R slices, each a multiple of world * align: the two-hop chunks need no
-                # padded copy, and the R slices are equal for the all-gather
-                per = -(-fill // R)
-                wire = chunk_numel(per, world, self.codec) * world if world > 1 else per
+                # NOTE: R slices, each a multiple of world * align (a sparse codec's: of align):
+                # the plan needs no padded copy, and the R slices are equal for the all-gather
+                wire = wire_numel(-(-fill // R), world, self.codec)
                 b = _Bucket(fill, wire * R, cur, segs, wire=wire)
                 if R > 1:
                     b.mine = _clip(segs, self.replicate.rank * wire, wire)
@@ -354,9 +353,11 @@ class BucketedAllReduce:
         sizes as :meth:`_layout`, :meth:`_slot_flat`, :meth:`scratch` and ``TwoHopPlan``;
         :meth:`memory_bytes` measures the real ones."""
         world, R = self.transport.size, self.replicas
-        per = -(-fill // R)
-        wire = chunk_numel(per, world, self.codec) * world if world > 1 else per
+        wire = wire_numel(-(-fill // R), world, self.codec)
         nbytes = 2 * wire * R * torch.empty((), dtype=dtype).element_size()
+        if self.codec.sparse and world > 1:
+            # NOTE: GatherPlan: one encoding sent, world gathered, the result decoded in place
+            return nbytes + (world + 1) * self.codec.encoded_nbytes(wire)
         if not self.codec.lossless and world > 1:
             c = wire // world
             nbytes += 2 * world * self.codec.encoded_nbytes(c) + 4 * c
@@ -386,7 +387,8 @@ class BucketedAllReduce:
         of fp32)."""
         staging = self.staging.nbytes()
         res = sum(b.residual.numel() * b.residual.element_size() for b in self._buckets if b.residual is not None)
-        lossy = not self.codec.lossless and self.transport.size > 1
+        # NOTE: a sparse codec's plan has no hop 2, so no hop-2 error
+        lossy = not self.codec.lossless and not self.codec.sparse and self.transport.size > 1
         transient = max((4 * b.wire // self.transport.size for b in self._buckets), default=0)
         return {"staging": staging, "residual": res,
                 "transient": transient if lossy and self.error_feedback else 0}
@@ -523,7 +525,7 @@ class BucketedAllReduce:
         if key not in slot.plans:
             if self.offload:
                 slot.plans.clear()  # NOTE: one plan on the device (the last bucket may be smaller)
-            slot.plans[key] = TwoHopPlan(self.transport, b.wire, self.codec, self.op, self.device)
+            slot.plans[key] = make_plan(self.transport, b.wire, self.codec, self.op, self.device)
         slot.plan = slot.plans[key]
         slot.plan.encode_scatter(flat, res)
 
@@ -576,7 +578,7 @@ class BucketedAllReduce:
         slot.work = None
         unpack(b.segments, flat[: b.numel])
 
-    def gather_slices(self, k: int, flat: Tensor, plan: TwoHopPlan | None) -> None:
+    def gather_slices(self, k: int, flat: Tensor, plan: TwoHopPlan | GatherPlan | None) -> None:
         """Sharded: all-gather the replicas' reduced slices of bucket ``k`` over ``replicate``
         into ``flat`` (the padded bucket, R equal slices; this rank's holds its result), in the
         bucket's dtype. A subclass may gather another encoding; ``plan`` is the two-hop plan that
@@ -593,7 +595,7 @@ class BucketedAllReduce:
     def state_dict(self) -> dict[str, Any]:
         """The error-feedback residuals (one fp32 tensor per bucket) and the layout they belong to."""
         return {
-            "codec": self.codec.name,
+            "codec": self.codec.spec,
             "world": self.transport.size,
             "replicas": self.replicas,
             "bucket_numels": self.bucket_numels,

@@ -51,8 +51,8 @@ class FedAvgConfig:
     """
 
     sync_every: int = _setting(8, "E: local steps between syncs", "paper")
-    codec: str = _setting("none", f"wire codec of the exchange: {', '.join(CODECS)} (a Codec object is "
-                                  "kept as given)")
+    codec: str = _setting("none", f"wire codec of the exchange: {', '.join(CODECS)}; options after the name, "
+                                  "e.g. topk:d=0.02:bits=2 (a Codec object is kept as given)")
     block_size: int | None = _setting(None, "elements per scale of the int8 / fp8 codecs (None: the codec's "
                                             "own, 256)")
     error_feedback: bool = _setting(False, "keep what the codec dropped and add it to the next round's delta")
@@ -85,7 +85,7 @@ class FedAvgConfig:
             if self.block_size is not None:
                 raise ValueError(f"block_size={self.block_size!r} given with a codec object {codec_obj!r}: "
                                  "set the block size on the codec")
-            set_(self, "codec", codec_obj.name)
+            set_(self, "codec", codec_obj.spec)
             set_(self, "block_size", getattr(codec_obj, "block_size", None))
         elif not isinstance(self.codec, str):
             raise ValueError(f"codec must be a name ({', '.join(CODECS)}) or a Codec, got {self.codec!r}")

@@ -55,7 +55,7 @@ from flcomm.codecs import Codec
 from flcomm.collectives.bucketing import BucketedAllReduce, Segment, StagingPool, bucket_dtype
 
 if TYPE_CHECKING:
-    from flcomm.collectives.compressed import TwoHopPlan
+    from flcomm.collectives.compressed import GatherPlan, TwoHopPlan
     from flcomm.comm.base import Transport
     from flcomm.comm.engine import Job
     from flcomm.federated.mesh import FedMesh
@@ -105,10 +105,10 @@ class ExchangeResult:
 class SlicedAllReduce(BucketedAllReduce):
     """The exchange's bucketed all-reduce. Sharded with a lossy codec, the replicas all-gather
     their slices' averages in the codec's encoding (what hop 2 gathered, a quarter of fp32 with
-    int8) and decode the others' (:meth:`TwoHopPlan.decode`: bit for bit what their owners
-    decoded)."""
+    int8; a sparse codec's F gathered encodings) and decode the others' (the plan's ``decode``:
+    bit for bit what their owners decoded)."""
 
-    def gather_slices(self, k: int, flat: Tensor, plan: TwoHopPlan | None) -> None:
+    def gather_slices(self, k: int, flat: Tensor, plan: TwoHopPlan | GatherPlan | None) -> None:
         if plan is None:
             super().gather_slices(k, flat, plan)
             return

@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from flcomm.codecs import CODECS
+from flcomm.codecs import DENSE_CODECS
 from flcomm.federated.config import FedAvgConfig
 from flcomm.train.config import NAN_POLICIES, STRATEGIES, TRANSPORTS, TrainConfig
 from flcomm.train.model import PRESETS
@@ -43,7 +43,7 @@ def _add_common(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     h = p.add_argument_group("replicate all-reduce (hsdp, fl-hsdp)")
     h.add_argument("--replicate-codec", default=d.replicate_codec,
                    help=f"the gradients' all-reduce over the R replicas in this codec, through flcomm's hook "
-                        f"(FSDP2): {' | '.join(CODECS)} (none: FSDP2's own all-reduce)")
+                        f"(FSDP2): {' | '.join(DENSE_CODECS)} (none: FSDP2's own all-reduce)")
     h.add_argument("--replicate-error-feedback", action=argparse.BooleanOptionalAction,
                    default=d.replicate_error_feedback,
                    help="keep what the replicate codec dropped and add it to the next step's gradient")

@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from flcomm.codecs import CODECS
+from flcomm.codecs import DENSE_CODECS
 from flcomm.federated.config import FedAvgConfig
 from flcomm.federated.strategy import Strategy
 from flcomm.federated.topology import Topology
@@ -102,7 +102,7 @@ class TrainConfig:
         one_of("backend", ("auto", "gloo", "nccl"))
         one_of("nan_policy", NAN_POLICIES)
         one_of("transport", TRANSPORTS)
-        one_of("replicate_codec", CODECS, "replicate codec")
+        one_of("replicate_codec", DENSE_CODECS, "replicate codec")
         self._check_replicate()
         for name in ("steps", "batch_size", "seq_len", "eval_batches"):
             integer(name, getattr(self, name), 1)
@@ -142,7 +142,7 @@ class TrainConfig:
                              f"(R = G / S > 1 replicas), got {self.strategy}")
         if self.replicate_error_feedback and self.replicate_codec == "none":
             raise ValueError("--replicate-error-feedback keeps what the replicate codec dropped; expected "
-                             f"--replicate-codec one of {', '.join(c for c in CODECS if c != 'none')}, got none")
+                             f"--replicate-codec one of {', '.join(c for c in DENSE_CODECS if c != 'none')}, got none")
 
     @property
     def federated(self) -> bool:

@@ -95,7 +95,8 @@ def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 
              outer: str = "avg", outer_lr: float = 0.7, outer_momentum: float = 0.9,
              inner_state: str = "keep", overlap: bool = False, overlap_steps: int = 1, seed: int = 0,
              model_kw: dict | None = None, fragments: int = 1,
-             drop_at: dict[int, int] | None = None) -> list[dict[str, Tensor]]:
+             drop_at: dict[int, int] | None = None, codec=None,
+             error_feedback: bool = False) -> list[dict[str, Tensor]]:
     """Train F copies for T steps; return each copy's parameters and floating buffers.
 
     Sync at steps E, 2E, ...: ``avg`` sets every copy to the mean of the copies; ``nesterov``
@@ -109,6 +110,12 @@ def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 
 
     ``drop_at[f] = s``: group f takes part in no sync at a step >= s (an elastic federation that
     lost it there); the syncs average the other groups only, and its copy is left as it is.
+
+    ``codec`` (a function from a flat fp32 tensor to what is decoded of it): each group's delta
+    ``w_f - global`` over the synced tensors, concatenated in order (plus its residual with
+    ``error_feedback``, which then keeps ``y - codec(y)``), goes through it; the decoded deltas
+    are summed in group order and divided by the number of groups, and that mean delta ``m``
+    makes the mean ``global + m`` (the outer optimizer's gradient: ``-m``).
     """
     model_kw = model_kw or {}
     models = [make_model(seed, **model_kw) for _ in range(F)]
@@ -132,10 +139,34 @@ def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 
 
     drop_at = drop_at or {}
     live: list[int] = list(range(F))
+    residual: dict[int, Tensor] = {}
+
+    def coded_mean_delta(names: list[str]) -> dict[str, Tensor]:
+        total = None
+        for k in live:
+            y = torch.cat([(_tensor(models[k], n).detach() - glob[n]).reshape(-1) for n in names])
+            if error_feedback and k in residual:
+                y = y + residual[k]
+            d = codec(y)
+            if error_feedback:
+                residual[k] = y - d
+            total = d if total is None else total + d
+        total = total / len(live)
+        out, off = {}, 0
+        for n in names:
+            out[n] = total[off: off + glob[n].numel()].view_as(glob[n])
+            off += glob[n].numel()
+        return out
 
     @torch.no_grad()
     def sync(names: list[str]) -> dict:
-        mean = {n: torch.stack([_tensor(models[k], n).detach() for k in live]).mean(0) for n in names}
+        if codec is None:
+            mean = {n: torch.stack([_tensor(models[k], n).detach() for k in live]).mean(0) for n in names}
+            grad = {n: glob[n] - mean[n] for n in names}
+        else:
+            md = coded_mean_delta(names)
+            mean = {n: glob[n] + md[n] for n in names}
+            grad = {n: -md[n] for n in names}
         own = [{n: _tensor(m, n).detach() - glob[n] for n in names} for m in models]
         old = {n: glob[n].clone() for n in names}
         if outer_opt is None:
@@ -143,7 +174,7 @@ def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 
                 glob[n].copy_(mean[n])
         else:
             for n in pnames:
-                glob[n].grad = glob[n] - mean[n] if n in names else None  # SGD skips grad None
+                glob[n].grad = grad[n] if n in names else None  # SGD skips grad None
             outer_opt.step()
             for n in bnames:
                 if n in names:

@@ -213,7 +213,9 @@ def _roundtrip_worker(rank: int, world: int, ckpt_dir: str) -> dict:
     base = dict(sync_every=2, outer="nesterov", codec="int8", error_feedback=True, overlap_steps=1, bucket_mb=0.0005)
     # the second holds per-fragment state (fragments synced at odd and even steps)
     out = {}
-    for name, kw in (("single", base), ("fragments", {**base, "fragments": 2})):
+    # the third: the sparse codec's residuals (its own bucket layout: whole blocks, no chunks)
+    sparse = {**base, "codec": "topk:k=4:bits=2:block=128"}
+    for name, kw in (("single", base), ("fragments", {**base, "fragments": 2}), ("topk", sparse)):
         d = os.path.join(ckpt_dir, name)
         out[name] = _roundtrip_one(rank, world, d, kw)
     return out
@@ -265,7 +267,7 @@ def _roundtrip_one(rank: int, world: int, ckpt_dir: str, kw: dict) -> dict:
 
 def test_state_dict_round_trip(combined):
     res = _part(combined, "roundtrip")
-    for name in ("single", "fragments"):
+    for name in ("single", "fragments", "topk"):
         assert res[0][name]["without_state_diff"] > 1e-6, name
 
 

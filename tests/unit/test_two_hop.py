@@ -54,3 +54,23 @@ def test_two_hop_plan_stages_are_named_and_ordered():
         plan.decode_result()
     plan.finish()  # NOTE: nothing in flight: nothing to run
     assert plan.stage == "idle"
+
+
+def test_gather_plan_stages_are_named_and_its_buffers_counted():
+    """The sparse codec's plan: the same stages (its one hop is issued by encode_scatter), its
+    buffers one encoding sent and W gathered, and no two-hop chunking (whole blocks only)."""
+    from types import SimpleNamespace
+
+    from flcomm.collectives.compressed import GatherPlan, make_plan
+    from flcomm.comm.base import ReduceOp
+
+    c = get_codec("topk:k=4:bits=2:block=256")
+    plan = make_plan(SimpleNamespace(size=3, rank=1), 1000, c, ReduceOp.AVG, torch.device("cpu"))
+    assert isinstance(plan, GatherPlan) and plan.padded_numel == 1024 and plan.stage == "idle"
+    assert plan.nbytes() == 4 * c.encoded_nbytes(1024)
+    with pytest.raises(RuntimeError, match=r"reduce_gather\(\) needs encode_scatter\(\)"):
+        plan.reduce_gather()
+    with pytest.raises(RuntimeError, match=r"decode_result\(\) needs encode_scatter\(\)"):
+        plan.decode_result()
+    assert type(make_plan(SimpleNamespace(size=3, rank=1), 1000, get_codec("int8"), ReduceOp.AVG,
+                          torch.device("cpu"))).__name__ == "TwoHopPlan"
