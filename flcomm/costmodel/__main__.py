@@ -15,7 +15,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from flcomm.codecs import CODECS
+from flcomm.codecs import DENSE_CODECS
 from flcomm.costmodel import model as _model
 from flcomm.costmodel.assumptions import (
     ASPECT,
@@ -118,7 +118,7 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--hierarchical", action="store_true", help="in-group collectives intra-node first")
     s.add_argument("--replicate-codec", default="none",
                    help=f"codec of the HSDP rows' gradient all-reduce over the replicas (the trainer's flag): "
-                        f"{' | '.join(CODECS)}")
+                        f"{' | '.join(DENSE_CODECS)}")
     FedAvgConfig.add_arguments(p.add_argument_group("FedAvg of the table's FL rows (the trainer's flags)"))
     m = p.add_argument_group("modes")
     m.add_argument("--crossover", action="store_true", help="bandwidth-ratio and E crossovers of the FL plans")

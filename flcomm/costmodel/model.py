@@ -231,7 +231,11 @@ class Plan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", Strategy.parse(self.strategy))
-        object.__setattr__(self, "replicate_codec", get_codec(self.replicate_codec).name)
+        rc = get_codec(self.replicate_codec)
+        if rc.sparse:
+            raise ValueError(f"replicate_codec {self.replicate_codec!r} is sparse; the replicas' gradient all-reduce "
+                             "takes a dense codec (bf16, fp16, int8, fp8)")
+        object.__setattr__(self, "replicate_codec", rc.name)
         if self.replicate_codec != "none" and not self.strategy.hybrid:
             raise ValueError(f"replicate_codec {self.replicate_codec!r} compresses the all-reduce over the replicas; "
                              f"expected strategy hsdp or fl-hsdp, got {self.strategy.value}")
@@ -454,13 +458,18 @@ def _exchange(cluster: Cluster, plan: Plan, N: float, G: int, S: int, F: int, R:
     Sharded (FL+HSDP, R > 1): each replica all-reduces 1/R of it over the groups, then the R
     replicas (stride S, inside the group) all-gather the averaged fragment: in the codec's
     encoding when it is lossy and F > 1, in fp32 otherwise.
+    A sparse codec (top-k) all-gathers the F encodings instead of all-reducing one (a sum of
+    sparse encodings is not sparse), and sharded, the replicas all-gather those F encodings.
     """
     K, E = plan.fragments, plan.sync_every
     sharded = R > 1 and plan.sharded_exchange is not False
     numel = N / S / K
     enc = codec_nbytes(plan.codec, int(math.ceil(numel / (R if sharded else 1))))
-    t, b = collective_time("all_reduce", enc, F, cluster, stride=G, inter=cluster.inter_group,
-                           inter_tier=LinkTier.INTER_GROUP, hierarchical=plan.hierarchical)
+    sparse = F > 1 and get_codec(plan.codec).sparse
+    if sparse:
+        enc *= F  # NOTE: every group's encoding, gathered
+    t, b = collective_time("all_gather" if sparse else "all_reduce", enc, F, cluster, stride=G,
+                           inter=cluster.inter_group, inter_tier=LinkTier.INTER_GROUP, hierarchical=plan.hierarchical)
     # NOTE: the exchange is tagged inter-group whatever links it crosses, as FedMesh does.
     _add(per_step, {LinkTier.INTER_GROUP.value: sum(b.values())}, K / E)
     if sharded:

@@ -17,7 +17,9 @@ from flcomm.validate import integer, number
 __all__ = ["Crossover", "Recommendation", "crossover_bandwidth_ratio", "crossover_sync_every", "recommend"]
 
 # NOTE: order used to break ties in recommendations: least lossy first.
-_CODEC_LOSS_ORDER = ("none", "bf16", "fp16", "fp8", "int8")
+_CODEC_LOSS_ORDER = ("none", "bf16", "fp16", "fp8", "int8", "topk")
+#: the codecs :func:`recommend` considers by default: the dense ones and top-k at 2%, 2 bits
+DEFAULT_CODECS = ("none", "bf16", "int8", "fp8", "topk:d=0.02:bits=2")
 
 
 # ---------------------------------------------------------------- crossover ----
@@ -126,7 +128,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def recommend(cluster: Cluster, workload: Workload, *, memory_bytes: float,
-              codecs: Sequence[str] = ("none", "bf16", "int8", "fp8"), max_sync_every: int = 32,
+              codecs: Sequence[str] = DEFAULT_CODECS, max_sync_every: int = 32,
               allow_overlap: bool = True, tolerance: float = 0.05, top: int = 10) -> Recommendation:
     """Recommend strategy, group size, E and codec for ``cluster`` among the plans that fit in
     ``memory_bytes`` per rank (required: ``math.inf`` skips the check, and the reason says so).
@@ -184,7 +186,7 @@ def recommend(cluster: Cluster, workload: Workload, *, memory_bytes: float,
 
     def closeness(p: Prediction) -> tuple:
         return (p.world_size // p.group_size, p.plan.sync_every if p.plan.strategy.federated else 0,
-                _CODEC_LOSS_ORDER.index(p.plan.codec) if p.plan.strategy.federated else 0,
+                _CODEC_LOSS_ORDER.index(get_codec(p.plan.codec).name) if p.plan.strategy.federated else 0,
                 p.plan.overlap, -p.tokens_per_s)
 
     near = [p for p in preds if p.tokens_per_s >= (1 - tolerance) * best_tps]

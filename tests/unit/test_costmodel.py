@@ -146,6 +146,28 @@ def test_fragments_move_a_kth_every_e_over_k_steps():
         Plan("fl-fsdp", fedavg=FedAvgConfig(sync_every=4, fragments=3))
 
 
+def test_a_sparse_codec_all_gathers_the_groups_encodings():
+    """Top-k: F = 2 groups all-gather their encodings of the 500k-element shard (no reduction:
+    a sum of sparse encodings is not sparse); sharded FL+HSDP: each replica's half, and the
+    replicas then all-gather the F encodings of both halves."""
+    spec = "topk:d=0.02:bits=2"
+    enc = codec_nbytes(spec, 500_000)
+    ag = AE + 0.5 * (2 * enc) / (BE / 2)  # NOTE: one ring step; two ranks share each NIC
+    p = predict(cluster(), workload(), Plan("fl-fsdp", group_size=2, fedavg=FedAvgConfig(sync_every=2, codec=spec,
+                                                                                         error_feedback=True)))
+    assert p.fed_comm_s == pytest.approx(ag, rel=1e-12)
+    assert p.intergroup_bytes_per_step == pytest.approx(enc / 2)  # NOTE: (F-1)/F of F encodings, every E = 2
+    assert p.intergroup_bytes_per_step <= 0.03 * predict(cluster(), workload(), Plan(
+        "fl-fsdp", group_size=2, fedavg=FedAvgConfig(sync_every=2))).intergroup_bytes_per_step
+    half = codec_nbytes(spec, 250_000)
+    c = cluster(nodes=4)
+    hs = predict(c, workload(), Plan("fl-hsdp", group_size=4, shard_size=2, fedavg=FedAvgConfig(sync_every=2, codec=spec)))
+    gather = AE + 2 * 0.5 * (2 * 2 * half) / BE  # NOTE: R = 2 replicas, each with F = 2 encodings
+    assert hs.fed_comm_s == pytest.approx(AE + 2 * 0.5 * (2 * half) / BE + gather, rel=1e-12)
+    with pytest.raises(ValueError, match="sparse; the replicas' gradient all-reduce takes a dense codec"):
+        Plan("hsdp", replicate_codec=spec)
+
+
 def _a16(n: int) -> int:
     return -(-n // 16) * 16
 
@@ -244,6 +266,19 @@ def test_recommend_federates_on_slow_links_and_not_on_fast_ones():
     assert slow.best.tokens_per_s >= 0.95 * slow.ranked[0].tokens_per_s
     fast = cm.recommend(Cluster(8, 2, Link(BI, 0.0), Link(2 * BI * 10, 0.0)), wl, memory_bytes=math.inf)
     assert not fast.best.plan.strategy.federated, fast.reason
+
+
+def test_recommend_considers_the_sparse_codec_where_its_bytes_pay():
+    """Syncing every step over 1 MB/s links, top-k's exchange is the only one that is not the
+    step's bottleneck: it wins, though it ranks as the lossiest codec; asked for dense codecs
+    only, it does not come up."""
+    wl, c = workload(), cluster(nodes=8, be=1e6)
+    rec = cm.recommend(c, wl, memory_bytes=math.inf, max_sync_every=1)
+    assert rec.best.plan.codec == "topk:d=0.02:bits=2" and rec.best.plan.error_feedback, rec.reason
+    int8 = [p for p in rec.ranked if p.plan.codec == "int8"]
+    assert int8 and int8[0].tokens_per_s < 0.95 * rec.best.tokens_per_s
+    dense = cm.recommend(c, wl, memory_bytes=math.inf, max_sync_every=1, codecs=("none", "int8"), top=10 ** 6)
+    assert {p.plan.codec for p in dense.ranked if p.plan.strategy.federated} == {"none", "int8"}
 
 
 def test_recommend_respects_memory():
