@@ -26,8 +26,9 @@ Usage (as root, for the emulated cluster)::
     # a real cluster: the same script on every rank
     torchrun --nnodes 4 --nproc-per-node 8 ... bench/strategies.py --launcher torchrun --json s.json
 
-Run spec: ``strategy[:E=<int>][:codec=<name>][:G=<int>][:S=<int>][:frag=<K>][:overlap][:hier][:unsharded]``
-``[:rep=<codec>][:repef]`` (``frag``: streaming fragments, 1/K of the shard every E/K steps; ``hier``:
+Run spec: ``strategy[:E=<int>][:codec=<name>[:<option>=<v>...]][:ef][:G=<int>][:S=<int>][:frag=<K>][:overlap]``
+``[:hier][:unsharded][:rep=<codec>][:repef]`` (the codec's options follow it, as in its own name:
+``codec=topk:d=0.02:bits=2``; ``ef``: FedAvg's error feedback; ``frag``: streaming fragments, 1/K of the shard every E/K steps; ``hier``:
 the driver's ``--hierarchical`` two-stage FSDP collectives; ``unsharded``: FL+HSDP with every
 replica exchanging its whole shard instead of 1/R of it; ``rep`` / ``repef``: the driver's
 ``--replicate-codec`` / ``--replicate-error-feedback``, HSDP's replica all-reduce through
@@ -52,7 +53,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from flcomm import costmodel as cm  # noqa: E402
-from flcomm.codecs import CODECS  # noqa: E402
+from flcomm.codecs import CODECS, DENSE_CODECS, get_codec  # noqa: E402
 from flcomm.federated.config import AUTO, FedAvgConfig  # noqa: E402
 from flcomm.federated.strategy import Strategy  # noqa: E402
 from flcomm.train.metrics import eval_at_time  # noqa: E402
@@ -74,6 +75,7 @@ class RunSpec:
     unsharded: bool = False
     replicate_codec: str = "none"
     replicate_error_feedback: bool = False
+    error_feedback: bool = False
 
     @classmethod
     def parse(cls, text: str) -> RunSpec:
@@ -82,20 +84,30 @@ class RunSpec:
             kw: dict[str, Any] = {"strategy": Strategy.parse(parts[0])}
         except ValueError as e:
             raise ValueError(f"run spec {text!r}: {e}") from None
+        last = None  # NOTE: the key of the last part: a codec's options follow it
         for p in parts[1:]:
             flags = {"overlap": "overlap", "hier": "hierarchical", "unsharded": "unsharded",
-                     "repef": "replicate_error_feedback"}
+                     "repef": "replicate_error_feedback", "ef": "error_feedback"}
             if p in flags:
                 kw[flags[p]] = True
+                last = None
                 continue
             key, _, val = p.partition("=")
+            if last == "codec" and key not in ("E", "codec", "G", "S", "frag", "rep"):
+                kw["codec"] += ":" + p
+                continue
+            last = key
             try:
                 if key == "E":
                     kw["sync_every"] = int(val)
-                elif key in ("codec", "rep"):
-                    if val not in CODECS:
+                elif key == "codec":
+                    if val.split(":")[0] not in CODECS:
                         raise ValueError
-                    kw["codec" if key == "codec" else "replicate_codec"] = val
+                    kw["codec"] = val
+                elif key == "rep":
+                    if val not in DENSE_CODECS:
+                        raise ValueError
+                    kw["replicate_codec"] = val
                 elif key == "G":
                     kw["group_size"] = int(val)
                 elif key == "S":
@@ -105,9 +117,13 @@ class RunSpec:
                 else:
                     raise ValueError
             except ValueError:
-                raise ValueError(f"run spec {text!r}: expected E=<int>, codec=<{'|'.join(CODECS)}>, "
-                                 f"G=<int>, S=<int>, frag=<int>, rep=<{'|'.join(CODECS)}>, overlap, hier, unsharded "
-                                 f"or repef after the strategy, got {p!r}") from None
+                raise ValueError(f"run spec {text!r}: expected E=<int>, codec=<{'|'.join(CODECS)}>[:<option>=<v>...], "
+                                 f"ef, G=<int>, S=<int>, frag=<int>, rep=<{'|'.join(DENSE_CODECS)}>, overlap, hier, "
+                                 f"unsharded or repef after the strategy, got {p!r}") from None
+        try:
+            kw["codec"] = get_codec(kw.get("codec", "none")).spec
+        except ValueError as e:
+            raise ValueError(f"run spec {text!r}: {e}") from None
         return cls(**kw)
 
     def __post_init__(self) -> None:
@@ -124,25 +140,28 @@ class RunSpec:
     def fedavg(self) -> FedAvgConfig:
         """The FedAvg settings of this run (``overlap``: ``overlap_steps="auto"``)."""
         return FedAvgConfig(sync_every=self.sync_every, codec=self.codec, overlap_steps=AUTO if self.overlap else 0,
-                            fragments=self.fragments, sharded_exchange=False if self.unsharded else None)
+                            fragments=self.fragments, sharded_exchange=False if self.unsharded else None,
+                            error_feedback=self.error_feedback)
 
     def label(self) -> str:
         s = self.strategy.value
         if self.federated:
-            s += f" E={self.sync_every} {self.codec}" + (" ovl" if self.overlap else "")
+            s += f" E={self.sync_every} {self.codec}" + ("+ef" if self.error_feedback else "") + (" ovl" if self.overlap else "")
             s += (f" frag={self.fragments}" if self.fragments > 1 else "") + (" unsharded" if self.unsharded else "")
         if self.replicate_codec != "none":
             s += f" rep={self.replicate_codec}" + ("+ef" if self.replicate_error_feedback else "")
         return s + (" hier" if self.hierarchical else "")
 
     def slug(self) -> str:
-        return self.label().replace(" ", "_").replace("=", "")
+        return self.label().replace(" ", "_").replace("=", "").replace(":", "-")
 
     def driver_args(self) -> list[str]:
         a = ["--strategy", self.strategy.value]
         if self.federated:
             a += ["--sync-every", str(self.sync_every), "--codec", self.codec,
                   "--overlap-steps", AUTO if self.overlap else "0"]
+            if self.error_feedback:
+                a += ["--error-feedback"]
             if self.fragments > 1:
                 a += ["--fragments", str(self.fragments)]
             if self.unsharded:

@@ -79,3 +79,18 @@ def test_strategies_replicate_codec_spec_reaches_the_driver():
     assert _config(_train_parser().parse_args(bs.RunSpec.parse("hsdp").driver_args())).replicate_codec == "none"
     with pytest.raises(ValueError, match=re.escape("rep=<none|bf16|fp16|int8|fp8>") + ".* got 'rep=int4'"):
         bs.RunSpec.parse("hsdp:rep=int4")
+
+
+def test_strategies_codec_options_and_error_feedback_reach_the_driver():
+    from bench import strategies as bs
+    from flcomm.train.__main__ import _config, _train_parser
+
+    s = bs.RunSpec.parse("fl-fsdp:E=8:codec=topk:d=0.01:bits=4:ef:overlap")
+    assert (s.codec, s.error_feedback, s.overlap, s.sync_every) == ("topk:d=0.01:bits=4", True, True, 8)
+    assert s.label() == "fl-fsdp E=8 topk:d=0.01:bits=4+ef ovl" and ":" not in s.slug()
+    fed = _config(_train_parser().parse_args(s.driver_args())).fedavg
+    assert (fed.codec, fed.error_feedback, fed.overlap_steps) == ("topk:d=0.01:bits=4", True, "auto")
+    assert fed == s.fedavg()
+    assert bs.RunSpec.parse("fl-fsdp:codec=int8:ef").fedavg().error_feedback
+    with pytest.raises(ValueError, match="run spec 'fl-fsdp:codec=topk:bits=3'.*bits must be one of 2, 4, 8"):
+        bs.RunSpec.parse("fl-fsdp:codec=topk:bits=3")
