@@ -28,7 +28,8 @@ Usage (as root, for the emulated cluster)::
 
 Run spec: ``strategy[:E=<int>][:codec=<name>[:<option>=<v>...]][:ef][:G=<int>][:S=<int>][:frag=<K>][:overlap]``
 ``[:hier][:unsharded][:rep=<codec>][:repef]`` (the codec's options follow it, as in its own name:
-``codec=topk:d=0.02:bits=2``; ``ef``: FedAvg's error feedback; ``frag``: streaming fragments, 1/K of the shard every E/K steps; ``hier``:
+``codec=topk:d=0.02:bits=2``; ``ef``: FedAvg's error feedback; ``frag``: streaming fragments, 1/K of the
+shard every E/K steps; ``hier``:
 the driver's ``--hierarchical`` two-stage FSDP collectives; ``unsharded``: FL+HSDP with every
 replica exchanging its whole shard instead of 1/R of it; ``rep`` / ``repef``: the driver's
 ``--replicate-codec`` / ``--replicate-error-feedback``, HSDP's replica all-reduce through
@@ -146,7 +147,8 @@ class RunSpec:
     def label(self) -> str:
         s = self.strategy.value
         if self.federated:
-            s += f" E={self.sync_every} {self.codec}" + ("+ef" if self.error_feedback else "") + (" ovl" if self.overlap else "")
+            s += f" E={self.sync_every} {self.codec}" + ("+ef" if self.error_feedback else "")
+            s += " ovl" if self.overlap else ""
             s += (f" frag={self.fragments}" if self.fragments > 1 else "") + (" unsharded" if self.unsharded else "")
         if self.replicate_codec != "none":
             s += f" rep={self.replicate_codec}" + ("+ef" if self.replicate_error_feedback else "")

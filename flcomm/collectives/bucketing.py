@@ -64,7 +64,14 @@ import torch
 from torch import Tensor
 
 from flcomm.codecs import Codec, get_codec
-from flcomm.collectives.compressed import GatherPlan, TwoHopPlan, lossless_all_reduce, make_plan, parse_sum_avg, wire_numel
+from flcomm.collectives.compressed import (
+    GatherPlan,
+    TwoHopPlan,
+    lossless_all_reduce,
+    make_plan,
+    parse_sum_avg,
+    wire_numel,
+)
 from flcomm.comm.base import ReduceOp, Transport, Work
 from flcomm.comm.engine import Job, ProgressEngine, get_engine
 

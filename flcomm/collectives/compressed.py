@@ -170,7 +170,8 @@ class _Plan:
         if self._state != "idle":
             raise RuntimeError(f"decode() needs an idle plan, state is {self._state}")
         if encoded.numel() != self.world * self.enc:
-            raise ValueError(f"encoded must hold {self.world} encodings of {self.enc} bytes, got {encoded.numel()} bytes")
+            raise ValueError(f"encoded must hold {self.world} encodings of {self.enc} bytes, "
+                             f"got {encoded.numel()} bytes")
         work = out
         if self.padded_numel != self.numel:
             if self._pad_x is None:

@@ -161,7 +161,8 @@ def test_a_sparse_codec_all_gathers_the_groups_encodings():
         "fl-fsdp", group_size=2, fedavg=FedAvgConfig(sync_every=2))).intergroup_bytes_per_step
     half = codec_nbytes(spec, 250_000)
     c = cluster(nodes=4)
-    hs = predict(c, workload(), Plan("fl-hsdp", group_size=4, shard_size=2, fedavg=FedAvgConfig(sync_every=2, codec=spec)))
+    hs = predict(c, workload(), Plan("fl-hsdp", group_size=4, shard_size=2,
+                                     fedavg=FedAvgConfig(sync_every=2, codec=spec)))
     gather = AE + 2 * 0.5 * (2 * 2 * half) / BE  # NOTE: R = 2 replicas, each with F = 2 encodings
     assert hs.fed_comm_s == pytest.approx(AE + 2 * 0.5 * (2 * half) / BE + gather, rel=1e-12)
     with pytest.raises(ValueError, match="sparse; the replicas' gradient all-reduce takes a dense codec"):
