@@ -20,8 +20,11 @@ import sysconfig
 import pytest
 import torch
 
+from tests.common.native_ops import declared_operators
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-CPU_KERNELS = {"quantize", "dequantize", "quantize_error_feedback", "shard_transpose", "shard_transpose_out"}
+
+CPU_KERNELS = declared_operators()
 
 
 def readme_install_block() -> str:
