@@ -67,7 +67,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from flcomm.codecs import get_codec
+from flcomm.codecs import DENSE_CODECS, get_codec
 from flcomm.comm.base import LinkTier, bus_factor, wire_bytes
 from flcomm.federated.autotune import steps_to_hide
 from flcomm.federated.config import AUTO, FedAvgConfig
@@ -234,7 +234,7 @@ class Plan:
         rc = get_codec(self.replicate_codec)
         if rc.sparse:
             raise ValueError(f"replicate_codec {self.replicate_codec!r} is sparse; the replicas' gradient all-reduce "
-                             "takes a dense codec (bf16, fp16, int8, fp8)")
+                             f"takes a dense codec ({', '.join(c for c in DENSE_CODECS if c != 'none')})")
         object.__setattr__(self, "replicate_codec", rc.name)
         if self.replicate_codec != "none" and not self.strategy.hybrid:
             raise ValueError(f"replicate_codec {self.replicate_codec!r} compresses the all-reduce over the replicas; "
