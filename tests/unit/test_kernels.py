@@ -197,6 +197,35 @@ def test_dequantize_large_output_bit_for_bit(monkeypatch, vec, fmt):
     assert torch.equal(shifted, want)
 
 
+@pytest.mark.parametrize("vec", NATIVE_PATHS)
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("ef", [False, True])
+def test_quantize_large_input_bit_for_bit(monkeypatch, vec, fmt, ef):
+    """Inputs of 32 MiB and more (csrc/quant.cpp kStreamBytes) write the payload with streaming
+    stores: those, a NaN block, a partial last block and a buffer that misses their alignment
+    (plain stores), payload, scales and residual against the reference."""
+    monkeypatch.setenv("FLCOMM_CPU_VEC", VEC_ENV[vec])
+    B = 256
+    n = (32 << 20) // 4 + 3 * B + 5
+    x = _x(n, 1.0, stable_seed("large-q", fmt, ef))
+    x[7 * B + 3] = float("nan")
+    r0 = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-3
+    r_want = r0.clone()
+    want = (kernels.quantize_error_feedback(x, r_want, fmt=fmt, block_size=B, backend="torch") if ef
+            else kernels.quantize(x, fmt=fmt, block_size=B, backend="torch"))
+    E = kernels.encoded_nbytes(n, fmt, B)
+    for shift in (0, 4):  # 0: a 64-byte aligned buffer (streaming stores); 4: plain stores
+        base = torch.full((E + 64,), 0xAB, dtype=torch.uint8)
+        buf = base[shift:shift + E]
+        r = r0.clone()
+        if ef:
+            kernels.quantize_error_feedback(x, r, buf, fmt=fmt, block_size=B, backend="native")
+            assert torch.equal(r.view(torch.int32), r_want.view(torch.int32)), (fmt, shift)
+        else:
+            kernels.quantize(x, buf, fmt=fmt, block_size=B, backend="native")
+        assert torch.equal(buf, want), (fmt, shift, (buf != want).nonzero()[:4].flatten().tolist())
+
+
 def test_stable_seed_is_process_independent():
     """Item: test data must not depend on the per-process str hash salt."""
     import subprocess
