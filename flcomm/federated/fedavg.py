@@ -196,9 +196,14 @@ class FedAvg:
             anchors=self._anchor if self.federated else None, outer=self._outer,
             exchanges=lambda: [fr.exchange for fr in self._frags])
         self._verify = ReplicaCheck(self, cfg.verify)
-        if self.federated and sync_init and federation is None and not self.in_place \
-                and self.inner_state is InnerState.KEEP:
+        self._align_first = self.federated and sync_init and federation is None  # NOTE: see step()
+        if self._align_first and not self.in_place and self.inner_state is InnerState.KEEP:
             self._warm_up()
+
+    def _align(self) -> None:
+        """A barrier over the group, then the fed group: every rank leaves together (counts no bytes)."""
+        self.group_transport.barrier()
+        self.transport.barrier()
 
     @torch.no_grad()
     def _warm_up(self) -> None:
@@ -239,11 +244,8 @@ class FedAvg:
         if sync_init and self.transport is not None:
             broadcast(self.transport, [s.local for s in self.slots], 0)  # NOTE: all start from group 0's model
             # NOTE: a one-to-all broadcast ends at different times on different groups (seconds on a
-            # slow link); a barrier over the group, then the fed group, lets every rank leave here
-            # together, so the wait is paid now, not by the first sync's step
-            one = torch.ones(1, device=self.device)
-            self.group_transport.all_reduce(one, op="sum")
-            self.transport.all_reduce(one, op="sum")
+            # slow link): the wait is paid now, not by the first sync's step
+            self._align()
         self._exposure = ExposedTime(events=self.device.type == "cuda", new_event=lambda: cuda_event(self.device))
         work = [bucket_dtype(t.dtype, self.in_place) for t in locals_]
         home = torch.device("cpu") if self.offload else self.device
@@ -313,6 +315,10 @@ class FedAvg:
         self.steps += 1
         if not self.federated:
             return False
+        if self._align_first:  # NOTE: the first step's one-time costs (FSDP's lazy init, the optimizer's
+            # state) differ between groups: aligned here, the first sync's step costs what a later one does
+            self._align_first = False
+            self._align()
         if self.auto_overlap is not None:
             self.auto_overlap.tick()
         did = False
@@ -393,9 +399,8 @@ class FedAvg:
         return sd
 
     def check_compatible(self, sd: dict) -> None:
-        """Raise ValueError when ``sd`` (or just its ``version``/``topology``/``config``
-        entries) comes from another topology or configuration
-        (:meth:`~flcomm.federated.persist.FedAvgCheckpoint.check_compatible`)."""
+        """Raise ValueError when ``sd`` (or just its ``version``/``topology``/``config`` entries) comes
+        from another topology or configuration (:meth:`.persist.FedAvgCheckpoint.check_compatible`)."""
         self._checkpoint.check_compatible(sd)
 
     def load_state_dict(self, sd: dict, source_rank: int | None = None) -> None:

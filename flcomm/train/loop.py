@@ -127,7 +127,10 @@ def train_step(run: Run, step: int) -> float:
         # NOTE: FedAvg's own schedule (fragments sync at their offsets), for the step() below
         if cfg.nan_policy == "stop" and run.fed.starts_sync(run.fed.steps + 1):
             mon.enter(step, "nan-check")
+            t = time.perf_counter()
             _agree_non_finite(run, step)
+            # NOTE: world-wide: a group that is ahead waits here for the slowest (outside FedAvg's exposed time)
+            run.group_wait_s += time.perf_counter() - t
     elif run.bad_step is not None:
         _agree_non_finite(run, step)
     if run.fed is not None:
@@ -182,6 +185,7 @@ class StepLogger:
         self.counter = TierCounter(run.mesh.stats)
         self.sums = {t: 0 for t in LinkTier}
         self.exposed_prev = run.fed.exposed_comm_s if run.fed is not None else 0.0
+        self.wait_prev = run.group_wait_s
         self._overlap_told = False
         self.t_start = time.perf_counter() - run.elapsed0
         # NOTE: cumulative: an elastic run's tokens per step change with its live groups
@@ -221,13 +225,14 @@ class StepLogger:
         self.tokens += tps
         exposed = (fed.exposed_comm_s - self.exposed_prev) if fed is not None else 0.0
         self.exposed_prev = fed.exposed_comm_s if fed is not None else 0.0
+        wait, self.wait_prev = self.run.group_wait_s - self.wait_prev, self.run.group_wait_s
         d = self.counter.delta()
         for t in LinkTier:
             self.sums[t] += d[t]
         rec: dict[str, Any] = {
             "step": step, "loss": loss, "lr": lr_at(self.run.cfg, step), "tokens": self.tokens,
             "time_s": self.elapsed(), "wall_time": time.time(), "tokens_per_s": tps / dt, "step_time_s": dt,
-            "exposed_comm_s": exposed,
+            "exposed_comm_s": exposed, "group_wait_s": wait,
             "internode_bytes": d[LinkTier.INTER_NODE], "intergroup_bytes": d[LinkTier.INTER_GROUP],
             "intranode_bytes": d[LinkTier.INTRA_NODE],
         }
@@ -351,7 +356,9 @@ def _train(cfg: TrainConfig, mon: Monitor, return_params: bool, stop_after: int 
             dt = time.perf_counter() - t0
             if cfg.nan_policy == "stop" and (policy.eval_due(step) or policy.save_due(step)):
                 mon.enter(step, "nan-check")
+                t = time.perf_counter()
                 _agree_non_finite(run, step)
+                run.group_wait_s += time.perf_counter() - t
             ev = _eval_and_save(run, policy, log, res, step)
             log.step(step, res.losses[-1], dt, ev)
         mon.enter(step, "end")

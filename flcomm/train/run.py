@@ -154,6 +154,7 @@ class Run:
     elapsed0: float = 0.0
     resumed_from: str | None = None
     bad_step: int | None = None          # first non-finite step of this group, not yet agreed
+    group_wait_s: float = 0.0            # seconds waited for other federation groups at world-wide checks
     federation: Federation | None = None  # --elastic
 
     @property

@@ -64,3 +64,31 @@ def test_the_warm_up_exchange_runs_at_construction_and_changes_nothing():
     for rank, r in enumerate(run_distributed(_warm_worker, 4, timeout=120)):
         assert r["same"] and r["anchor_is_local"] and r["zero_state"], (rank, r)
         assert r["sent"] > 0 and r["num_syncs"] == 0 and r["exposed"] == 0.0, (rank, r)
+
+
+def _first_step_worker(rank: int, world: int) -> dict:
+    import torch
+
+    from flcomm.federated.fedavg import FedAvg
+    from tests.common.fedavg_harness import build
+
+    fm, model, opt = build(world, 2, None, "fsdp2")
+    fed = FedAvg(model, fm, sync_every=4, codec="int8", error_feedback=True, overlap_steps=1, optimizer=opt)
+    model(torch.randn(5, 4)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    if fm.coords.group == 1:  # NOTE: group 1's first step had more to do (a lazy init, say)
+        time.sleep(HOLD_S)
+    entered = time.time()
+    fed.step()
+    return {"group": fm.coords.group, "entered": entered, "left": time.time(), "syncs": fed.num_syncs}
+
+
+def test_the_groups_leave_the_first_step_together():
+    """The first step's one-time costs differ between groups: FedAvg's first ``step()`` is a
+    barrier over the group and the fed group, so the first sync's step does not wait for them.
+    Every rank leaves that call after the late group entered it (no sync has run)."""
+    res = run_distributed(_first_step_worker, 4, timeout=120)
+    late = max(r["entered"] for r in res if r["group"] == 1)
+    for rank, r in enumerate(res):
+        assert r["left"] >= late and r["syncs"] == 0, (rank, r, late)

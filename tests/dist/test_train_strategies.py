@@ -169,6 +169,8 @@ def test_metrics_files(strategy_runs):
     # + FedAvg's non-finite check: an all-reduce of one int32 flag per group (F = 2)
     sync = (blocks + root) // 2 + wire_bytes("all_reduce", 4 * 2, 2)
     assert [r["intergroup_bytes"] for r in fl] == [0, sync, 0, sync]
+    # the world-wide non-finite check runs before each sync (E = 2) and the last step's evaluation
+    assert [r["group_wait_s"] > 0 for r in fl] == [False, True, False, True]
     # + FedAvg's refusal check at each sync: an all-reduce of (world + 1) int32 over the group
     flags = wire_bytes("all_reduce", 4 * (4 + 1), 2)
     assert [r["intranode_bytes"] for r in fl] == [(blocks * 3 + root * 2) // 2 + (flags if s else 0)
