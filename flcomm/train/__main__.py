@@ -133,9 +133,14 @@ def cmd_train(argv: Sequence[str]) -> int:
     return 0
 
 
+_RANK_PROCESS = False  # this process ran a rank under torchrun (see the end of this file)
+
+
 def _torchrun_rank(cfg: TrainConfig) -> int:
     """One rank under torchrun: its failure becomes one line on stderr (traceback in its log
     file) and an exit code (2: refused, 1: failed)."""
+    global _RANK_PROCESS
+    _RANK_PROCESS = True
     import tempfile
     from dataclasses import replace
 
@@ -222,4 +227,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if _RANK_PROCESS:
+        # NOTE: as the local launcher's ranks, a rank under torchrun ends with os._exit once its
+        # files are written and closed: at interpreter teardown a finished rank could abort
+        # ("terminate called without an active exception", a C++ thread of a process group or
+        # store destroyed while joinable; seen once in 15 trainer launches on the emulated cluster)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
