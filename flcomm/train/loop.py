@@ -71,8 +71,12 @@ def _agree_non_finite(run: Run, step: int) -> None:
     t = torch.zeros(F, dtype=torch.int64, device=run.device)
     if run.bad_step is not None:
         t[run.mesh.coords.group] = run.bad_step
+    t0 = time.perf_counter()
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    bad = {f: int(s) for f, s in enumerate(t.tolist()) if s > 0}
+    steps = t.tolist()  # NOTE: the host read ends the wait on CUDA too
+    # NOTE: world-wide: a group that is ahead waits here for the slowest (outside FedAvg's exposed time)
+    run.group_wait_s += time.perf_counter() - t0
+    bad = {f: int(s) for f, s in enumerate(steps) if s > 0}
     if bad:
         first = min(bad.values())
         raise NonFiniteLossError(
@@ -127,10 +131,7 @@ def train_step(run: Run, step: int) -> float:
         # NOTE: FedAvg's own schedule (fragments sync at their offsets), for the step() below
         if cfg.nan_policy == "stop" and run.fed.starts_sync(run.fed.steps + 1):
             mon.enter(step, "nan-check")
-            t = time.perf_counter()
             _agree_non_finite(run, step)
-            # NOTE: world-wide: a group that is ahead waits here for the slowest (outside FedAvg's exposed time)
-            run.group_wait_s += time.perf_counter() - t
     elif run.bad_step is not None:
         _agree_non_finite(run, step)
     if run.fed is not None:
@@ -356,9 +357,7 @@ def _train(cfg: TrainConfig, mon: Monitor, return_params: bool, stop_after: int 
             dt = time.perf_counter() - t0
             if cfg.nan_policy == "stop" and (policy.eval_due(step) or policy.save_due(step)):
                 mon.enter(step, "nan-check")
-                t = time.perf_counter()
                 _agree_non_finite(run, step)
-                run.group_wait_s += time.perf_counter() - t
             ev = _eval_and_save(run, policy, log, res, step)
             log.step(step, res.losses[-1], dt, ev)
         mon.enter(step, "end")

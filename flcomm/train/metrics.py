@@ -11,7 +11,7 @@ File layout::
 Step fields: ``loss`` (mean over this rank's federation group), ``tokens_per_s`` (all ranks'
 tokens of the step over its wall time), ``step_time_s`` (rank 0, forward to ``fed.step()``),
 ``exposed_comm_s`` (seconds rank 0 was blocked on the FedAvg exchange in the step; 0 for
-FSDP/HSDP, whose collectives run inside ``step_time_s``), ``group_wait_s`` (FL, ``--nan-policy
+FSDP/HSDP, whose collectives run inside ``step_time_s``), ``group_wait_s`` (``--nan-policy
 stop``: seconds rank 0 spent in the world-wide non-finite checks before a sync, an evaluation
 or a checkpoint, mostly waiting for slower federation groups; outside ``exposed_comm_s``; the
 check before a sync is inside ``step_time_s``), ``internode_bytes`` /
