@@ -25,7 +25,10 @@ plus the exposed time of one exchange per E / K steps, as in steady training), t
 exchange per sync, ``exposed`` = the exposed time per exchange / the blocking exchange (the
 issue's E * (overlap step - compute step) / exchange), FedAvg's own exposed time per exchange as
 a fraction of the blocking exchange (the loop's waiting; the rest of ``exposed`` is the
-exchange's work slowing compute down), and overlap step / compute step. ``fits`` says whether
+exchange's work slowing compute down), ``cpu/xchg`` = the CPU seconds one exchange adds to a
+rank's process (all its threads: the engine's, gloo's, the kernel's work for its sockets; the
+overlapped block's CPU time less its steps' compute-only CPU time, mean over ranks), and overlap
+step / compute step. ``fits`` says whether
 the exchange is shorter than k compute steps (where the targets apply: exposed <= 10%, overlap
 <= 1.05x compute). The starts of the blocks' last exchanges are timed but their exchanges are
 not: that errs toward more exposed time.
@@ -80,10 +83,10 @@ def _build(a: argparse.Namespace, mesh: Any, codec: str, overlap: bool) -> tuple
 
 def _steps(model: Any, opt: Any, fed: Any, tokens: Any, n: int) -> float:
     """``n`` training steps (with ``fed.step()`` after each when ``fed`` is given): their total
-    time on this rank."""
+    time on this rank (the process's CPU seconds over them, all its threads, go to ``_CPU``)."""
     from flcomm.train.model import lm_loss
 
-    total = 0.0
+    total, cpu0 = 0.0, time.process_time()
     for _ in range(n):
         tok = tokens()
         t0 = time.perf_counter()
@@ -94,7 +97,17 @@ def _steps(model: Any, opt: Any, fed: Any, tokens: Any, n: int) -> float:
         if fed is not None:
             fed.step()
         total += time.perf_counter() - t0
+    _CPU[0] = time.process_time() - cpu0
     return total
+
+
+_CPU = [0.0]  # the process CPU seconds of the last _steps()
+
+
+def _mean(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
 
 
 def _blocking(a: argparse.Namespace, mesh: Any, codec: str) -> dict[str, float]:
@@ -120,7 +133,7 @@ def _interleaved(a: argparse.Namespace, mesh: Any, codec: str) -> list[dict[str,
         exposed0, syncs0 = fed.exposed_comm_s, fed.num_syncs
         t = _steps(model, opt, fed, tokens, n)
         out = {"time_s": _slowest(t), "applied": fed.num_syncs - syncs0,
-               "fedavg_s": _slowest(fed.exposed_comm_s - exposed0)}
+               "fedavg_s": _slowest(fed.exposed_comm_s - exposed0), "cpu_s": _mean(_CPU[0])}
         fed.finish()  # NOTE: untimed: the block's last start does not reach into the next block
         return out
 
@@ -131,11 +144,14 @@ def _interleaved(a: argparse.Namespace, mesh: Any, codec: str) -> list[dict[str,
             break
         overlapped()
     computes = [_slowest(_steps(model, opt, None, tokens, n))]
+    cpus = [_mean(_CPU[0])]
     blocks = []
     for _ in range(a.repeat):
         o = overlapped()
         computes.append(_slowest(_steps(model, opt, None, tokens, n)))
+        cpus.append(_mean(_CPU[0]))
         blocks.append({**o, "k": fed.overlap_steps, "compute_step_s": (computes[-2] + computes[-1]) / (2 * n),
+                       "compute_cpu_step_s": (cpus[-2] + cpus[-1]) / (2 * n),
                        "compute_around_s": [computes[-2] / n, computes[-1] / n], "steps": n})
     return blocks
 
@@ -175,11 +191,13 @@ def summarize(a: argparse.Namespace, codec: str, blk: dict[str, float],
         # the exchanges applied within it (one per E / K steps in steady training)
         applied = max(1, b["applied"])
         per_exchange = (b["time_s"] - b["steps"] * b["compute_step_s"]) / applied
-        reps.append({**b, "overhead_per_exchange_s": per_exchange,
+        cpu = (b["cpu_s"] - b["steps"] * b["compute_cpu_step_s"]) / applied if "cpu_s" in b else float("nan")
+        reps.append({**b, "overhead_per_exchange_s": per_exchange, "cpu_per_exchange_s": cpu,
                      "exposed_fraction": per_exchange / exchange if exchange > 0 else 0.0,
                      "fedavg_exposed_fraction": b["fedavg_s"] / applied / exchange if exchange > 0 else 0.0})
     mean = {k: statistics.fmean(r[k] for r in reps)
-            for k in ("compute_step_s", "overhead_per_exchange_s", "exposed_fraction", "fedavg_exposed_fraction")}
+            for k in ("compute_step_s", "overhead_per_exchange_s", "exposed_fraction", "fedavg_exposed_fraction",
+                      "cpu_per_exchange_s")}
     overlap_step = mean["compute_step_s"] + mean["overhead_per_exchange_s"] * a.fragments / a.sync_every
     return {
         "codec": codec + ("+ef" if codec != "none" else ""), "E": a.sync_every, "k": k,
@@ -197,13 +215,13 @@ def summarize(a: argparse.Namespace, codec: str, blk: dict[str, float],
 
 def format_table(records: list[dict[str, Any]], a: argparse.Namespace) -> str:
     head = (f"{'codec':>8} {'E':>3} {'k':>3} {'compute':>9} {'blocking':>9} {'overlap':>9} {'exchange':>9} "
-            f"{'exposed':>13} {'fedavg':>8} {'ovl/cmp':>8} {'ovl/blk':>8} {'fits':>5}")
+            f"{'exposed':>13} {'fedavg':>8} {'cpu/xchg':>9} {'ovl/cmp':>8} {'ovl/blk':>8} {'fits':>5}")
     rows = [head, "-" * len(head)]
     for r in records:
         exposed = f"{r['exposed_fraction']:.3f}" + (f"+-{r['exposed_fraction_se']:.3f}" if a.repeat > 1 else "")
         rows.append(f"{r['codec']:>8} {r['E']:>3} {r['k']:>3} {r['compute_step_s']:9.3f} {r['blocking_step_s']:9.3f} "
                     f"{r['overlap_step_s']:9.3f} {r['blocking_exchange_s']:9.3f} {exposed:>13} "
-                    f"{r['fedavg_exposed_fraction']:8.2f} {r['overlap_vs_compute']:8.3f} "
+                    f"{r['fedavg_exposed_fraction']:8.2f} {r['cpu_per_exchange_s']:9.3f} {r['overlap_vs_compute']:8.3f} "
                     f"{r['overlap_vs_blocking']:8.3f} {str(r['fits']):>5}")
     rows.append(f"(seconds, slowest rank; exchange per sync; exposed: mean +- standard error over {a.repeat} "
                 "overlapped blocks, each: "

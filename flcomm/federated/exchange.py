@@ -267,7 +267,8 @@ class DeltaExchange:
             self._back(self._piece(self.anchors[s.index], s), anchor)
             if self.own is not None:
                 own = self._stage(self.own[s.index], s, flat)
-                own.mul_(sign).add_(disp)  # NOTE: -own + disp == disp - own exactly
+                # NOTE: disp + own * sign in one pass: own * -1 is exact, so this is disp - own
+                torch.addcmul(disp, own, sign, out=own)
                 self._back(self._piece(self.own[s.index], s), own)
 
     @torch.no_grad()
