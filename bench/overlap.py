@@ -221,8 +221,8 @@ def format_table(records: list[dict[str, Any]], a: argparse.Namespace) -> str:
         exposed = f"{r['exposed_fraction']:.3f}" + (f"+-{r['exposed_fraction_se']:.3f}" if a.repeat > 1 else "")
         rows.append(f"{r['codec']:>8} {r['E']:>3} {r['k']:>3} {r['compute_step_s']:9.3f} {r['blocking_step_s']:9.3f} "
                     f"{r['overlap_step_s']:9.3f} {r['blocking_exchange_s']:9.3f} {exposed:>13} "
-                    f"{r['fedavg_exposed_fraction']:8.2f} {r['cpu_per_exchange_s']:9.3f} {r['overlap_vs_compute']:8.3f} "
-                    f"{r['overlap_vs_blocking']:8.3f} {str(r['fits']):>5}")
+                    f"{r['fedavg_exposed_fraction']:8.2f} {r['cpu_per_exchange_s']:9.3f} "
+                    f"{r['overlap_vs_compute']:8.3f} {r['overlap_vs_blocking']:8.3f} {str(r['fits']):>5}")
     rows.append(f"(seconds, slowest rank; exchange per sync; exposed: mean +- standard error over {a.repeat} "
                 "overlapped blocks, each: "
                 + "; ".join(f"{r['codec']} " + ", ".join(f"{x['exposed_fraction']:.2f}" for x in r["repeats"])
