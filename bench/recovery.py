@@ -137,6 +137,7 @@ def worker(a: argparse.Namespace) -> int:
         record(event="joined", step=step, digest=_digest(model))
     loader.position = step * a.batch_size
     while step < a.steps:
+        t_step = time.perf_counter()
         x, y = loader.next_batch()
         loss = lm_loss(model(x), y)
         loss.backward()
@@ -146,6 +147,8 @@ def worker(a: argparse.Namespace) -> int:
             fed.step()
         it += 1
         step += 1
+        if not restarted:  # NOTE: a floor under the first incarnation's steps only (run_once)
+            time.sleep(max(0.0, a.min_step_s - (time.perf_counter() - t_step)))
         synced = diloco._local_step == 0 if diloco is not None else step % E == 0
         if diloco is not None and synced:
             # NOTE: torchft's committed rounds are the step: a round not committed is trained
@@ -219,7 +222,10 @@ def _nodes(c: Any) -> int:
 
 
 def run_once(c: Any, a: argparse.Namespace, lib: str, E: int, out: str, kill: bool) -> dict:
-    """One recovery run (``kill`` False: the same run without the fault); its records."""
+    """One recovery run (``kill`` False: the same run without the fault); its records.
+    ``a.min_step_s`` (0 unless set; the tests set it) is a floor under each step of the first
+    incarnation: the survivors then still train when a restarted group that came up slowly
+    reaches its first sync, instead of having finished without it."""
     local, nodes = not hasattr(c, "spec"), _nodes(c)
     ports = {k: free_port() if local else d for k, d in (("store", 29710), ("lighthouse", 29750), ("job", 29760))}
     os.makedirs(out, exist_ok=True)
@@ -238,7 +244,8 @@ def run_once(c: Any, a: argparse.Namespace, lib: str, E: int, out: str, kill: bo
             str(a.seq_len), "--lr", str(a.lr), "--seed", str(a.seed), "--bucket-mb", str(a.bucket_mb),
             "--timeout", str(a.timeout), "--grace", str(GRACE_S), "--store-port", str(ports["store"]),
             "--lighthouse-port", str(ports["lighthouse"]), "--job-port", str(ports["job"]), "--out", out,
-            "--kill-rank", str(kill_rank if kill else -1), "--kill-step", str(kill_step(a, E))]
+            "--kill-rank", str(kill_rank if kill else -1), "--kill-step", str(kill_step(a, E)),
+            "--min-step-s", str(getattr(a, "min_step_s", 0.0))]
     t0 = time.perf_counter()
     try:
         time.sleep(1.0)  # NOTE: the lighthouse or store is up before a rank dials it
@@ -374,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                     ("lr", float, 3e-3), ("seed", int, 0), ("bucket-mb", float, 25.0), ("timeout", float, 300.0),
                     ("grace", float, GRACE_S), ("store-port", int, 29710), ("lighthouse-port", int, 29750),
                     ("job-port", int, 29760), ("kill-rank", int, -1), ("kill-step", int, 0), ("restart", int, 0),
-                    ("eval-batches", int, 1)):
+                    ("eval-batches", int, 1), ("min-step-s", float, 0.0)):
         w.add_argument("--" + k, type=t, default=d)
     w.add_argument("--model", default="small")
     w.add_argument("--out", required=True)
