@@ -81,9 +81,9 @@ def _build(a: argparse.Namespace, mesh: Any, codec: str, overlap: bool) -> tuple
     return model, opt, fed, lambda: torch.randint(0, vocab, (a.batch_size, a.seq_len + 1), generator=g)
 
 
-def _steps(model: Any, opt: Any, fed: Any, tokens: Any, n: int) -> float:
+def _steps(model: Any, opt: Any, fed: Any, tokens: Any, n: int) -> tuple[float, float]:
     """``n`` training steps (with ``fed.step()`` after each when ``fed`` is given): their total
-    time on this rank (the process's CPU seconds over them, all its threads, go to ``_CPU``)."""
+    time on this rank, and the process's CPU seconds over them (all its threads)."""
     from flcomm.train.model import lm_loss
 
     total, cpu0 = 0.0, time.process_time()
@@ -97,17 +97,7 @@ def _steps(model: Any, opt: Any, fed: Any, tokens: Any, n: int) -> float:
         if fed is not None:
             fed.step()
         total += time.perf_counter() - t0
-    _CPU[0] = time.process_time() - cpu0
-    return total
-
-
-_CPU = [0.0]  # the process CPU seconds of the last _steps()
-
-
-def _mean(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
+    return total, time.process_time() - cpu0
 
 
 def _blocking(a: argparse.Namespace, mesh: Any, codec: str) -> dict[str, float]:
@@ -117,7 +107,7 @@ def _blocking(a: argparse.Namespace, mesh: Any, codec: str) -> dict[str, float]:
     _steps(model, opt, fed, tokens, a.warmup)
     fed.finish()
     exposed0, syncs0 = fed.exposed_comm_s, fed.num_syncs
-    step = _steps(model, opt, fed, tokens, a.steps) / a.steps
+    step = _steps(model, opt, fed, tokens, a.steps)[0] / a.steps
     return {"step_s": _slowest(step),
             "exchange_s": _slowest((fed.exposed_comm_s - exposed0) / max(1, fed.num_syncs - syncs0))}
 
@@ -131,9 +121,9 @@ def _interleaved(a: argparse.Namespace, mesh: Any, codec: str) -> list[dict[str,
 
     def overlapped() -> dict[str, float]:
         exposed0, syncs0 = fed.exposed_comm_s, fed.num_syncs
-        t = _steps(model, opt, fed, tokens, n)
+        t, cpu = _steps(model, opt, fed, tokens, n)
         out = {"time_s": _slowest(t), "applied": fed.num_syncs - syncs0,
-               "fedavg_s": _slowest(fed.exposed_comm_s - exposed0), "cpu_s": _mean(_CPU[0])}
+               "fedavg_s": _slowest(fed.exposed_comm_s - exposed0), "cpu_s": _mean(cpu)}
         fed.finish()  # NOTE: untimed: the block's last start does not reach into the next block
         return out
 
@@ -143,23 +133,36 @@ def _interleaved(a: argparse.Namespace, mesh: Any, codec: str) -> list[dict[str,
         if fed.auto_overlap is None or fed.auto_overlap.chosen is not None:
             break
         overlapped()
-    computes = [_slowest(_steps(model, opt, None, tokens, n))]
-    cpus = [_mean(_CPU[0])]
+    computes, cpus = [], []
+
+    def compute_only() -> None:
+        t, cpu = _steps(model, opt, None, tokens, n)
+        computes.append(_slowest(t))
+        cpus.append(_mean(cpu))
+
+    compute_only()
     blocks = []
     for _ in range(a.repeat):
         o = overlapped()
-        computes.append(_slowest(_steps(model, opt, None, tokens, n)))
-        cpus.append(_mean(_CPU[0]))
+        compute_only()
         blocks.append({**o, "k": fed.overlap_steps, "compute_step_s": (computes[-2] + computes[-1]) / (2 * n),
                        "compute_cpu_step_s": (cpus[-2] + cpus[-1]) / (2 * n),
                        "compute_around_s": [computes[-2] / n, computes[-1] / n], "steps": n})
     return blocks
 
 
-def _slowest(x: float) -> float:
+def _reduced(x: float, op: Any) -> float:
     t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=op)
     return float(t)
+
+
+def _slowest(x: float) -> float:
+    return _reduced(x, dist.ReduceOp.MAX)
+
+
+def _mean(x: float) -> float:
+    return _reduced(x, dist.ReduceOp.SUM) / dist.get_world_size()
 
 
 def rank_main(a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -191,7 +194,7 @@ def summarize(a: argparse.Namespace, codec: str, blk: dict[str, float],
         # the exchanges applied within it (one per E / K steps in steady training)
         applied = max(1, b["applied"])
         per_exchange = (b["time_s"] - b["steps"] * b["compute_step_s"]) / applied
-        cpu = (b["cpu_s"] - b["steps"] * b["compute_cpu_step_s"]) / applied if "cpu_s" in b else float("nan")
+        cpu = (b["cpu_s"] - b["steps"] * b["compute_cpu_step_s"]) / applied
         reps.append({**b, "overhead_per_exchange_s": per_exchange, "cpu_per_exchange_s": cpu,
                      "exposed_fraction": per_exchange / exchange if exchange > 0 else 0.0,
                      "fedavg_exposed_fraction": b["fedavg_s"] / applied / exchange if exchange > 0 else 0.0})
