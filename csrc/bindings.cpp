@@ -26,6 +26,9 @@ TORCH_LIBRARY(flcomm, m) {
   // reorder.cpp (+ reorder_cuda.cu): view input as [rows, cols, chunk], write [cols, rows, chunk]
   m.def("shard_transpose(Tensor input, int rows, int cols) -> Tensor");
   m.def("shard_transpose_out(Tensor input, int rows, int cols, Tensor(a!) out) -> Tensor(a!)");
+  // [the exchange's fused apply]
+  // apply.cpp (+ apply_cuda.cu): where ok, anchor += mean; target = correction ? anchor - target : anchor
+  m.def("apply_average(Tensor mean, Tensor(a!) anchor, Tensor(b!) target, Tensor ok, bool correction) -> ()");
 }
 
 // ---- pybind11 module ----

@@ -1,6 +1,7 @@
 // The CUDA kernels' host entry points: raw pointers, sizes and a stream, no torch types, so the
-// .cu files compile without torch's headers. The operators (quant.cpp, reorder.cpp) check the tensors, set
-// the device and pass torch's current stream; each launcher throws (common.h) on a launch error.
+// .cu files compile without torch's headers. The operators (quant.cpp, reorder.cpp, sparse.cpp,
+// apply.cpp) check the tensors, set the device and pass torch's current stream; each launcher
+// throws (common.h) on a launch error.
 #pragma once
 
 #include "quant.h"
@@ -34,6 +35,12 @@ void topk_encode(const float* x, float* residual, uint8_t* buf, int64_t n, int64
                  int64_t bits, cudaStream_t stream);
 void topk_decode(const uint8_t* buf, float* out, int64_t n, int64_t block, int64_t k, int64_t bits,
                  bool accumulate, cudaStream_t stream);
+
+// apply_cuda.cu (what it computes: apply.cpp): where *ok (in device memory) holds, over the n
+// elements (float, or double with fp64) of mean, anchor and target: anchor += mean, and target =
+// anchor - target (correction: the new anchor less target) or the new anchor.
+void apply_average(bool fp64, const void* mean, void* anchor, void* target, int64_t n, const bool* ok,
+                   bool correction, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace flcomm

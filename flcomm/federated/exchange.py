@@ -12,10 +12,13 @@ Modes (what a bucket's ``pack`` writes and its ``unpack`` does with the average)
 * delta, no overlap: pack ``local - anchor``; unpack ``disp = outer(mean)``, ``anchor += disp``,
   ``local = anchor``.
 * delta, overlap: ``own`` holds the local shard as of the sync (copied when the sync starts:
-  the local shard keeps training meanwhile); the exchange first takes ``own -= anchor``, the
-  own delta (:meth:`DeltaExchange.own_delta`), and packs it; unpack ``anchor += disp`` and
-  ``own = disp - own``, the correction that the apply step adds to the local shard:
-  ``local += new_anchor - old_anchor - own``.
+  the local shard keeps training meanwhile); pack ``own - anchor``, the own delta; unpack
+  ``anchor += disp`` and ``own = anchor - own``, the new anchor less the local shard as of the
+  sync: the correction that the apply step adds to the local shard (:meth:`DeltaExchange.add_own`),
+  ``local += new_anchor - own``, which keeps the local updates made while the exchange ran.
+
+Where nothing is offloaded and no momentum intervenes, a bucket's unpack is one fused kernel per
+piece (:func:`flcomm.apply.apply_average`).
 
 A bucket whose average is not finite is not applied; :attr:`ExchangeResult.bad` marks it. Nothing
 is read on the host during an exchange: each bucket's finite flag stays on the device and
@@ -51,6 +54,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from flcomm.apply import apply_average
 from flcomm.codecs import Codec
 from flcomm.collectives.bucketing import BucketedAllReduce, Segment, StagingPool, bucket_dtype
 
@@ -131,8 +135,7 @@ class DeltaExchange:
         in_place: the paper's mode (no anchor; buckets in the tensors' own dtypes).
         anchors: the anchor of each tensor (delta modes).
         own: per tensor (overlap), the local shard as of the sync when an exchange starts, which
-            :meth:`own_delta` turns into the own delta and the exchange into the pending
-            correction; else None.
+            the exchange turns into the pending correction; else None.
         outer: the outer optimizer; ``momentum_index[i]`` is tensor i's momentum buffer (or None:
             buffers and non-parameters take the plain average).
         replicate: the replicas' private group (:func:`replicate_transport`): exchange one slice
@@ -184,7 +187,6 @@ class DeltaExchange:
             finite = torch.isfinite(lo) & torch.isfinite(hi)
             bad[k] = ~finite
             ok = finite if skip is None else finite & ~skip
-            flat.masked_fill_(~ok, 0.0)  # NOTE: not applied: no displacement (in place: unused)
             self._unpack(segs, flat, locals_, ok)
 
         self.bar.run_pipeline(job, lambda segs, flat: self._pack(segs, flat, locals_), unpack)
@@ -211,35 +213,32 @@ class DeltaExchange:
         if staged is not home:
             home.copy_(staged)  # NOTE: blocking: the scratch is reused by the next piece
 
-    @torch.no_grad()
-    def own_delta(self, ready: torch.cuda.Event | None = None) -> None:
-        """Overlap, first step of an exchange (on the engine's thread): ``own -= anchor``, where
-        ``own`` held the local shard as of the sync: the own delta, ``fp32(local) - anchor`` as
-        ``torch.sub(local, anchor)`` gives it. Where own and anchor live: on the device (the
-        engine's stream), or offloaded on the host, after ``ready`` (an event recorded after
-        the asynchronous copies into own) was reached."""
-        if self.own is None:
-            raise RuntimeError("own_delta() needs the own deltas (overlap)")
-        if ready is not None:
-            ready.synchronize()
-        for o, a in zip(self.own, self.anchors):
-            o.sub_(a)
-
     def _pack(self, segs: list[Segment], flat: Tensor, locals_: list[Tensor]) -> None:
+        """The bucket's pieces of what is averaged: the shards themselves (in place), else the
+        delta from the anchor of ``own`` (overlap: the local shard as of the sync) or of the
+        local shard, in one pass unless offloaded (the anchor staged through the scratch)."""
+        src = self.own if self.own is not None else locals_
         for s in segs:
             out = flat[s.bucket_offset: s.bucket_offset + s.length]
-            if self.own is not None:
-                out.copy_(self._piece(self.own[s.index], s), non_blocking=True)
-                continue
-            out.copy_(self._piece(locals_[s.index], s))
-            if not self.in_place:
+            piece = self._piece(src[s.index], s)
+            if self.in_place:
+                out.copy_(piece)
+            elif self.offload:
+                # NOTE: non-blocking from pinned memory: the host writes own only by _back's
+                # blocking copy, or by the sync's copies, which the job waited for
+                out.copy_(piece, non_blocking=True)
                 out.sub_(self._stage(self.anchors[s.index], s, flat))
+            else:
+                torch.sub(piece, self._piece(self.anchors[s.index], s), out=out)
 
     def _unpack(self, segs: list[Segment], flat: Tensor, locals_: list[Tensor], ok: Tensor) -> None:
         """Apply the bucket's average (``flat``) where the 0-dim device bool ``ok`` holds, on the
-        device: where it does not, ``flat`` is zero and every update below leaves its target as
-        it was (``x + 0``; the momentum ``buf * 1 + -0``; ``own * 1 + 0``; the locals selected)."""
-        sign = torch.where(ok, -1.0, 1.0) if self.own is not None else None
+        device, without reading ``ok`` on the host. Not offloaded, the anchor's step and the
+        target's update are one fused kernel (:func:`~flcomm.apply.apply_average`), which writes
+        nothing where ``ok`` does not hold. Else the step is zeroed there first, and every
+        update below leaves its target as it was (``anchor + 0``; the locals and own
+        selected); the momentum stays as it was as well (``buf * 1 + -0``: the mean is zeroed
+        before the outer step)."""
         for s in segs:
             mean = flat[s.bucket_offset: s.bucket_offset + s.length]
             local = self._piece(locals_[s.index], s)
@@ -249,26 +248,33 @@ class DeltaExchange:
             m = self.momentum_index[s.index]
             step, alpha = mean, 1.0  # NOTE: the outer update works in place in the bucket
             if m is not None:
+                mean.masked_fill_(~ok, 0.0)
                 buf = self._stage(self.outer.buffers[m], s, flat)
                 step, alpha = self.outer.piece_(mean, buf, ok), self.outer.scale
                 self._back(self._piece(self.outer.buffers[m], s), buf)
-                step.masked_fill_(~ok, 0.0)
-            anchor = self._stage(self.anchors[s.index], s, flat)
-            if self.own is not None and alpha != 1.0:
-                step.mul_(alpha)  # NOTE: the displacement, which own's correction needs too
-                alpha = 1.0
+                if self.own is not None:
+                    step.mul_(alpha)  # NOTE: the displacement, which the fused apply takes
+                    alpha = 1.0
+            anchor_home = self.anchors[s.index]
+            target = self._piece(self.own[s.index], s) if self.own is not None else local
+            if alpha == 1.0 and not self.offload and target.dtype == anchor_home.dtype == step.dtype:
+                apply_average(step, self._piece(anchor_home, s), target, ok, correction=self.own is not None)
+                continue
+            step.masked_fill_(~ok, 0.0)  # NOTE: not applied: no displacement
+            anchor = self._stage(anchor_home, s, flat)
             anchor.add_(step, alpha=alpha)  # NOTE: SGD's p.add_(d_p, alpha=-lr): the same rounding
-            disp = step
             if self.own is None:
-                # NOTE: local = anchor where ok, selected in the bucket (its mean is used up):
+                # NOTE: local = anchor where ok, selected in the bucket (its step is used up):
                 # no temporary, and local's rounding is copy_'s
-                torch.where(ok, anchor, local, out=disp)
-                local.copy_(disp)
-            self._back(self._piece(self.anchors[s.index], s), anchor)
+                torch.where(ok, anchor, local, out=step)
+                local.copy_(step)
+            else:
+                step.copy_(anchor)  # NOTE: the new anchor, kept in the bucket: own's staging reuses the scratch
+            self._back(self._piece(anchor_home, s), anchor)
             if self.own is not None:
                 own = self._stage(self.own[s.index], s, flat)
-                # NOTE: disp + own * sign in one pass: own * -1 is exact, so this is disp - own
-                torch.addcmul(disp, own, sign, out=own)
+                torch.sub(step, own, out=step)
+                torch.where(ok, step, own, out=own)
                 self._back(self._piece(self.own[s.index], s), own)
 
     @torch.no_grad()
@@ -303,7 +309,7 @@ class DeltaExchange:
         return self.bar.staging.buffer("apply scratch", nbytes, self.bar.device)[:nbytes].view(dtype)
 
     def mutated(self, locals_: list[Tensor]) -> list[Tensor]:
-        """What :meth:`run` with ``locals_`` (and :meth:`own_delta`) writes: the local shards
+        """What :meth:`run` with ``locals_`` writes: the local shards
         (unless overlapping), anchors, own deltas, outer momentum and residuals."""
         ts = list(locals_) if self.own is None else []
         ts += [*(self.anchors or []), *(self.own or [])]

@@ -17,8 +17,8 @@ job of the progress engine (:mod:`flcomm.comm.engine`), bucket by bucket
 (:mod:`flcomm.federated.exchange`):
 
 1. Flag whether this rank's shard is finite. With overlap, copy ``own = local`` (the local
-   shard keeps training while the exchange runs; the job turns it into ``own = local - anchor``,
-   off this thread: on the engine's stream, or offloaded on its thread).
+   shard keeps training while the exchange runs; the job packs ``own - anchor``, off this
+   thread: on the engine's stream, or offloaded on its thread).
 2. Inner optimizer state (:mod:`flcomm.federated.inner`): ``keep`` (the paper), ``average``
    (averaged over the fed group, uncompressed, blocking) or ``reset`` (cleared, as if new).
 3. All-reduce the flags over the fed group; if any rank's shard is not finite, no rank of the
@@ -29,14 +29,14 @@ job of the progress engine (:mod:`flcomm.comm.engine`), bucket by bucket
    outer update to the anchor: ``avg``: ``anchor += mean(delta)``; ``nesterov`` (DiLoCo):
    ``-mean(delta)`` is a pseudo-gradient for SGD with Nesterov momentum
    (:mod:`flcomm.federated.outer`). Buffers always take the plain average. Without overlap,
-   ``local = anchor``; with overlap, ``own = (new_anchor - old_anchor) - own``.
+   ``local = anchor``; with overlap, ``own = new_anchor - own`` (own: the local shard at the sync).
    The paper's mode (codec none, ``avg``, no overlap, no error feedback) averages the shards
    themselves, in place, in their own dtype: no anchor, no delta.
 5. Apply, on the caller's thread, reading the flags on the host once: without overlap at once;
    with ``overlap_steps`` = k >= 1, k steps later (Streaming DiLoCo's tau; ``"auto"``: measured,
    :mod:`flcomm.federated.autotune`), ``local += own``, i.e.::
 
-       local += (new_anchor - old_anchor) - own_delta        # avg: mean(delta) - own_delta
+       local += own = new_anchor - local_at_sync     # = (new_anchor - old_anchor) - own_delta
 
    the model becomes the average as of the sync step plus the local updates made while the
    exchange was in flight; those updates are part of the next round's delta, since the anchor
@@ -496,7 +496,7 @@ class FedAvg:
                 fr.flags[self._fed_index] = (~torch.isfinite(torch.cat(ext))).any().to(torch.int32)
         if self._own is not None:
             for i, t in locals_.items():
-                # NOTE: the local shard as of the sync, which the job turns into the own delta;
+                # NOTE: the local shard as of the sync, which the job packs as the own delta;
                 # offloaded on CUDA an asynchronous copy into page-locked memory, ordered on this
                 # stream before the next step writes the shard and before the job reads own
                 self._own[i].copy_(t, non_blocking=True)
@@ -527,9 +527,9 @@ class FedAvg:
             transport.all_reduce(flags, op="sum")
             if exchange is None:
                 return ExchangeResult()
-            if exchange.own is not None:
-                job.stage = "own delta"
-                exchange.own_delta(ready)
+            if ready is not None:  # NOTE: offloaded on CUDA: own is written by asynchronous copies
+                job.stage = "copy of the local shards into own"
+                ready.synchronize()
             # NOTE: every rank of the fed group sees the same flags: none applies a bucket; on
             # the device, so the job never waits on the host between its collectives
             return exchange.run(job, xlocals, skip=flags.any())

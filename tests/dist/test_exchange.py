@@ -30,12 +30,7 @@ def hash_stable(s: str) -> int:
 def _run(ex, locals_):
     from flcomm.comm.engine import get_engine
 
-    def job(j):
-        if ex.own is not None:
-            ex.own_delta()  # NOTE: as FedAvg's job: own held the local shard as of the sync
-        return ex.run(j, locals_)
-
-    return get_engine("cpu").submit(job, "test exchange").wait(120)
+    return get_engine("cpu").submit(lambda j: ex.run(j, locals_), "test exchange").wait(120)
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -64,8 +59,8 @@ def _worker(rank: int, world: int) -> dict:
     _run(ex, loc)
     out["delta"] = ([t.clone() for t in loc], [a.clone() for a in anchors])
 
-    # 3. overlap + nesterov: own = local (as of the sync) before; after: own = disp - (local -
-    # anchor), anchor += disp
+    # 3. overlap + nesterov: own = local (as of the sync) before; after: anchor += disp, own =
+    # anchor - local (the new anchor less the local shard as of the sync)
     loc = _data(rank, "local")
     anchors = _data(0, "anchor")
     own = [t.clone() for t in loc]

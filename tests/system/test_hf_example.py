@@ -70,7 +70,7 @@ def test_hf_llama_example(world, extra, mesh_shape):
     assert last < first - 0.5, (first, last)
 
     # every rank of every group holds the same parameters, and they moved away from the start
-    # NOTE: with overlap the last average lands as p + (mean - own_delta), not as the anchor
+    # NOTE: with overlap the last average lands as p + (anchor - p_at_sync), not as the anchor
     # itself, so the groups agree up to float32 rounding of that sum (a few ulps).
     tol = dict(rtol=1e-6, atol=1e-6) if "--overlap" in extra else dict(rtol=0, atol=0)
     for r in range(1, world):

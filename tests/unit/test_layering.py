@@ -25,9 +25,10 @@ ALLOWED: dict[str, set[str]] = {
     "kernels": {"_native", "enums"},
     "sparse": {"kernels", "_native", "enums"},  # NOTE: the sparse kernels, beside the quantization ones
     "codecs": {"kernels", "sparse", "_native", "enums"},
+    "apply": {"kernels", "_native", "enums"},  # NOTE: the exchange's fused apply, beside the codec kernels
     "collectives": {"comm", "codecs", "kernels", "_native", "enums", "info"},
     "fsdp": {"collectives", "comm", "codecs", "kernels", "_native", "enums", "info"},
-    "federated": {"collectives", "comm", "codecs", "kernels", "_native", "enums", "info"},
+    "federated": {"collectives", "comm", "codecs", "kernels", "apply", "_native", "enums", "info"},
     "costmodel": {"federated", "comm", "codecs", "kernels", "_native", "enums", "info"},
     "__main__": {"info", "_native", "enums", "comm"},  # NOTE: `python -m flcomm info` names the transports
     "__init__": {"info", "_native", "enums"},
