@@ -184,6 +184,21 @@ def arena(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device
     return out  # type: ignore[return-value]
 
 
+def span(tensors: list[Tensor]) -> Tensor | None:
+    """One 1-D view over ``tensors`` when they lie end to end in one storage, in their order and
+    of one dtype (an :func:`arena`'s views of one element size), for a single pass over all of
+    them; else None."""
+    ts = [t for t in tensors if t.numel()]  # NOTE: an empty tensor's data_ptr() is 0
+    if not ts or any(t.dtype != ts[0].dtype for t in tensors):
+        return None
+    storage, pos = ts[0].untyped_storage().data_ptr(), ts[0].data_ptr()
+    for t in ts:
+        if not t.is_contiguous() or t.data_ptr() != pos or t.untyped_storage().data_ptr() != storage:
+            return None
+        pos += t.numel() * t.element_size()
+    return ts[0].as_strided((sum(t.numel() for t in ts),), (1,), ts[0].storage_offset())
+
+
 def _register(flat: Tensor) -> None:
     """Page-lock ``flat`` (a host byte buffer) until its storage is freed."""
     import weakref

@@ -67,7 +67,7 @@ class FedAvgConfig:
                                            "the exchange, measured on the first syncs)", "Streaming DiLoCo")
     fragments: int = _setting(1, "K, dividing E: sync 1/K of the shard every E/K steps", "Streaming DiLoCo")
     bucket_mb: float = _setting(25.0, "bucket size of the exchange, in MiB")
-    offload: str | None = _setting(None, "'cpu': keep the anchor, own delta, momentum and residuals in host "
+    offload: str | None = _setting(None, "'cpu': keep the anchor, own copy, momentum and residuals in host "
                                          "memory (page-locked on CUDA)")
     residual_dtype: str = _setting("fp32", f"dtype of the error-feedback residuals: {', '.join(RESIDUAL_DTYPES)}")
     sharded_exchange: bool | None = _setting(None, "FL+HSDP: each of the R replicas exchanges 1/R of the "

@@ -1,7 +1,7 @@
 """The inter-group exchange of the FedAvg synchronizer, bucket by bucket, in the progress engine.
 
 The buffers a sync needs at full size are only those the algorithm keeps across steps (the
-anchor, the outer momentum, the error-feedback residual, and under overlap the own delta); the
+anchor, the outer momentum, the error-feedback residual, and under overlap the own copy of the local shard); the
 deltas are computed and the average applied per bucket, in the bucket's staging buffer
 (:class:`~flcomm.collectives.bucketing.BucketedAllReduce`).
 
@@ -23,7 +23,7 @@ piece (:func:`flcomm.apply.apply_average`).
 A bucket whose average is not finite is not applied; :attr:`ExchangeResult.bad` marks it. Nothing
 is read on the host during an exchange: each bucket's finite flag stays on the device and
 selects, on the device, whether its unpack changes anything (a bucket not applied leaves the
-local shard, anchor, momentum and own delta as they were); the caller reads the flags once.
+local shard, anchor, momentum and own copy as they were); the caller reads the flags once.
 
 Sharded across replicas (FL+HSDP, R > 1 replicas of each shard inside a group): replica r
 exchanges only slice r (1/R) of every bucket over the fed group, with the codec and the error
@@ -34,7 +34,7 @@ the group, in the codec's encoding when the reduction was lossy (:class:`SlicedA
 replicas gather what hop 2 gathered and decode it themselves, bit for bit what its owner
 decoded), in the bucket's dtype otherwise.
 
-Offload: the anchors, own deltas, momentum and residuals may live in host memory (pinned on
+Offload: the anchors, own copies, momentum and residuals may live in host memory (pinned on
 CUDA); each bucket's pieces are then staged, one at a time, through the one device scratch
 bucket of the offloaded pipeline (:meth:`BucketedAllReduce.scratch`, at the segment's offset;
 also on CPU, where host and device are one memory, so the same path runs in the tests). With
@@ -140,7 +140,7 @@ class DeltaExchange:
             buffers and non-parameters take the plain average).
         replicate: the replicas' private group (:func:`replicate_transport`): exchange one slice
             per replica and all-gather (module docstring); None exchanges everything.
-        offload: the anchors, own deltas, momentum and residuals live in host memory and are
+        offload: the anchors, own copies, momentum and residuals live in host memory and are
             staged through the device (module docstring); nothing to offload in place.
         residual_dtype, staging: of the :class:`BucketedAllReduce`.
         apply_scratch: offload: :meth:`add_own` stages through a scratch bucket of its own in the
@@ -287,7 +287,7 @@ class DeltaExchange:
         scratch of their own in the staging pool: needed when another exchange of the pool may be
         in flight, whose job writes the pool's scratch."""
         if self.own is None:
-            raise RuntimeError("add_own() needs the own deltas (overlap)")
+            raise RuntimeError("add_own() needs the own copies (overlap)")
         for segs in self.bar.layout():
             for s in segs:
                 local, own = self._piece(locals_[s.index], s), self._piece(self.own[s.index], s)
@@ -310,7 +310,7 @@ class DeltaExchange:
 
     def mutated(self, locals_: list[Tensor]) -> list[Tensor]:
         """What :meth:`run` with ``locals_`` writes: the local shards
-        (unless overlapping), anchors, own deltas, outer momentum and residuals."""
+        (unless overlapping), anchors, own copies, outer momentum and residuals."""
         ts = list(locals_) if self.own is None else []
         ts += [*(self.anchors or []), *(self.own or [])]
         ts += [self.outer.buffers[m] for m in self.momentum_index if m is not None]

@@ -78,7 +78,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from flcomm.collectives.bucketing import StagingPool, arena, bucket_dtype
+from flcomm.collectives.bucketing import StagingPool, arena, bucket_dtype, span
 from flcomm.comm.engine import Job, get_engine
 from flcomm.federated.autotune import AutoOverlap
 from flcomm.federated.checks import ReplicaCheck, StepOrder, check_sharding, non_finite_error
@@ -90,7 +90,7 @@ from flcomm.federated.inner import InnerState, sync_inner_state
 from flcomm.federated.memory import memory_stats
 from flcomm.federated.outer import Outer, OuterOptimizer
 from flcomm.federated.persist import FedAvgCheckpoint
-from flcomm.federated.shards import broadcast, check_same_shards, collect_slots, partition
+from flcomm.federated.shards import broadcast, check_same_shards, collect_slots, nonfinite, partition
 
 if TYPE_CHECKING:
     from flcomm.federated.elastic import Federation
@@ -118,6 +118,7 @@ class _Fragment:
     applied: int = 0  # exchanges of this fragment applied in this process
     late: int = 0  # consecutive exchanges still running when they were due (overlap)
     own_ready: Any = None  # offload on CUDA: an event after the copies of the local shards into own
+    own_span: Tensor | None = None  # own's tensors as one view, when on the device and end to end (bucketing.span)
 
 
 class FedAvg:
@@ -274,7 +275,9 @@ class FedAvg:
             # peers hold the same shard coordinates, so they leave out the same ones.
             x = [i for i in part if locals_[i].numel() > 0]
             flags = torch.zeros(len(self.fed_ranks), dtype=torch.int32, device=self.device)
-            self._frags.append(_Fragment(f, f * self.sync_every // self.fragments, part, x, None, flags))
+            own_span = span([self._own[i] for i in part]) if self._own is not None and self.offload is None else None
+            self._frags.append(_Fragment(f, f * self.sync_every // self.fragments, part, x, None, flags,
+                                         own_span=own_span))
         if self.transport is not None:
             self._build_exchanges()
         self._engine = get_engine(self.device, "exchange")
@@ -487,13 +490,6 @@ class FedAvg:
         locals_ = {i: self.slots[i].local for i in fr.slots}
         window = self._exposure.begin()
         fr.flags.zero_()
-        if locals_:
-            # NOTE: tensor ops, no device sync here; the anchor is finite (a refused average is
-            # never applied), so the delta is finite exactly when the local shard is
-            # NOTE: min and max propagate NaN and show Inf, without a shard-sized bool temporary
-            ext = [torch.stack(torch.aminmax(t)).float() for t in locals_.values() if t.numel()]
-            if ext:
-                fr.flags[self._fed_index] = (~torch.isfinite(torch.cat(ext))).any().to(torch.int32)
         if self._own is not None:
             for i, t in locals_.items():
                 # NOTE: the local shard as of the sync, which the job packs as the own delta;
@@ -502,6 +498,10 @@ class FedAvg:
                 self._own[i].copy_(t, non_blocking=True)
             offloaded = self.offload is not None and self.device.type == "cuda"
             fr.own_ready = cuda_event(self.device) if offloaded and fr.exchange is not None else None
+        if locals_:
+            # NOTE: no device sync; the anchor is finite (a refused average is never applied), so
+            # the delta is finite exactly when the local shard (or own, its copy, in one pass) is
+            fr.flags[self._fed_index] = nonfinite(list(locals_.values()), fr.own_span).to(torch.int32)
         sync_inner_state(self.inner_state, self.optimizer, self.transport)
         fr.sync_step = self.steps
         self._verify.at_start(fr)
@@ -575,7 +575,7 @@ class FedAvg:
                 fr.exchange.sanitize()
             self._refuse(wf, fr)
         if self._own is not None and fr.exchange is not None:
-            # NOTE: piece by piece along the buckets: no full-size copy of an offloaded own delta
+            # NOTE: piece by piece along the buckets: no full-size copy of an offloaded own copy
             fr.exchange.add_own([self.slots[i].local for i in fr.xidx])
         self.num_syncs += 1
         self._verify.after_apply(fr)

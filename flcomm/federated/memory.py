@@ -1,11 +1,12 @@
 """What a FedAvg holds in memory, per buffer kind (:func:`memory_stats`).
 
 The paper's mode keeps nothing but two staging buckets; the other modes keep the anchor, plus the
-residual (error feedback, fp32 or ``residual_dtype="bf16"``), the own delta (overlap) and the
-momentum (nesterov), each kind one allocation (:func:`~flcomm.collectives.bucketing.arena`);
-``offload="cpu"`` keeps these in host memory (page-locked on CUDA, exactly their bytes) and
-streams them through the buckets (with overlapping fragments the apply step through a scratch of
-its own: :mod:`flcomm.federated.exchange`). docs/memory.md has the measurements.
+residual (error feedback, fp32 or ``residual_dtype="bf16"``), the own copy (overlap: the local
+shard at the sync, then the correction) and the momentum (nesterov), each kind one allocation
+(:func:`~flcomm.collectives.bucketing.arena`); ``offload="cpu"`` keeps these in host memory
+(page-locked on CUDA, exactly their bytes) and streams them through the buckets (with
+overlapping fragments the apply step through a scratch of its own:
+:mod:`flcomm.federated.exchange`). docs/memory.md has the measurements.
 """
 
 from __future__ import annotations

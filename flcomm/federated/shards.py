@@ -177,6 +177,18 @@ def broadcast(transport: Transport, tensors: list[Tensor], src: int) -> None:
             t.copy_(v)
 
 
+def nonfinite(tensors: list[Tensor], flat: Tensor | None = None) -> Tensor:
+    """A 0-dim bool on the tensors' device, without a host read: whether any of ``tensors`` holds
+    a NaN or an Inf. ``flat``: one view over all of them (:func:`~flcomm.collectives.bucketing.span`),
+    checked in one op instead of one per tensor."""
+    # NOTE: min and max propagate NaN and show Inf, without a tensor-sized bool temporary
+    ts = [flat] if flat is not None else [t for t in tensors if t.numel()]
+    if not ts:
+        return torch.zeros((), dtype=torch.bool, device=tensors[0].device if tensors else None)
+    ext = torch.cat([torch.stack(torch.aminmax(t)).float() for t in ts])
+    return (~torch.isfinite(ext)).any()
+
+
 def flat_views(flat: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
     """Views of consecutive pieces of ``flat`` with the given shapes."""
     out, off = [], 0

@@ -1,5 +1,5 @@
 """bucketing.arena: one allocation of zeroed, aligned, non-overlapping views per kind (on the CPU,
-and page-locked where a GPU is visible)."""
+and page-locked where a GPU is visible); bucketing.span: one view over views end to end."""
 
 from __future__ import annotations
 
@@ -34,6 +34,29 @@ def test_arena_is_one_allocation_of_views_on_cpu():
     from flcomm.collectives.bucketing import arena
 
     _check_arena(arena(ARENA_SPECS, "cpu"), ARENA_SPECS)
+
+
+def test_span_is_one_view_over_tensors_end_to_end_and_none_otherwise():
+    from flcomm.collectives.bucketing import arena, span
+
+    specs = [((3, 5), torch.float32), ((0,), torch.float32), ((7,), torch.float32), ((2, 2), torch.float32)]
+    views = arena(specs, "cpu")
+    for i, v in enumerate(views):
+        v.copy_(torch.arange(v.numel(), dtype=v.dtype).view(v.shape) + 100 * i)
+    flat = span(views)
+    assert flat is not None and flat.shape == (15 + 7 + 4,)
+    assert torch.equal(flat, torch.cat([v.reshape(-1) for v in views]))
+    flat[0] = -1.0  # a view, not a copy
+    assert views[0][0, 0] == -1.0
+    assert torch.equal(span(views[2:]), torch.cat([v.reshape(-1) for v in views[2:]]))
+    # not end to end, not in order, separate storages, mixed dtypes, nothing: None
+    assert torch.equal(span([views[0], views[2]]), flat[:22])  # the empty one between takes no room
+    assert span([views[0], views[3]]) is None
+    assert span([views[2], views[0]]) is None
+    assert span([torch.zeros(3), torch.zeros(3)]) is None
+    mixed = arena([((4,), torch.float32), ((4,), torch.float32)], "cpu")
+    assert span([mixed[0], mixed[1].view(torch.int32)]) is None
+    assert span([]) is None
 
 
 @pytest.mark.gpu
