@@ -1,9 +1,9 @@
 """The inter-group exchange of the FedAvg synchronizer, bucket by bucket, in the progress engine.
 
 The buffers a sync needs at full size are only those the algorithm keeps across steps (the
-anchor, the outer momentum, the error-feedback residual, and under overlap the own copy of the local shard); the
-deltas are computed and the average applied per bucket, in the bucket's staging buffer
-(:class:`~flcomm.collectives.bucketing.BucketedAllReduce`).
+anchor, the outer momentum, the error-feedback residual, and under overlap the own copy of the
+local shard); the deltas are computed and the average applied per bucket, in the bucket's
+staging buffer (:class:`~flcomm.collectives.bucketing.BucketedAllReduce`).
 
 Modes (what a bucket's ``pack`` writes and its ``unpack`` does with the average):
 
@@ -14,8 +14,8 @@ Modes (what a bucket's ``pack`` writes and its ``unpack`` does with the average)
 * delta, overlap: ``own`` holds the local shard as of the sync (copied when the sync starts:
   the local shard keeps training meanwhile); pack ``own - anchor``, the own delta; unpack
   ``anchor += disp`` and ``own = anchor - own``, the new anchor less the local shard as of the
-  sync: the correction that the apply step adds to the local shard (:meth:`DeltaExchange.add_own`),
-  ``local += new_anchor - own``, which keeps the local updates made while the exchange ran.
+  sync: the correction that the apply step adds to the local shard
+  (:meth:`DeltaExchange.add_own`), which keeps the local updates made while the exchange ran.
 
 Where nothing is offloaded and no momentum intervenes, a bucket's unpack is one fused kernel per
 piece (:func:`flcomm.apply.apply_average`).
