@@ -60,8 +60,9 @@ void check_apply(const at::Tensor& mean, const at::Tensor& anchor, const at::Ten
   TORCH_CHECK(ok.scalar_type() == at::kBool && ok.numel() == 1 && ok.device() == mean.device(),
               "apply_average: ok must be one bool on mean's device (", mean.device(), "), got ", ok.numel(),
               " element(s) of ", ok.scalar_type(), " on ", ok.device());
-  TORCH_CHECK(!overlap(mean, anchor) && !overlap(mean, target) && !overlap(anchor, target),
-              "apply_average: mean, anchor and target must not overlap in memory");
+  TORCH_CHECK(!overlap(mean, anchor) && !overlap(mean, target) && !overlap(anchor, target) &&
+                  !overlap(ok, anchor) && !overlap(ok, target),
+              "apply_average: anchor and target must not overlap each other, mean or ok in memory");
 }
 
 template <typename T>

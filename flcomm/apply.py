@@ -13,13 +13,16 @@ becomes the correction the apply step adds (the new anchor less it); without, th
 which becomes the new anchor.
 
 The native kernels (``csrc/apply.cpp``, ``csrc/apply_cuda.cu``) make one pass over the three
-tensors, and read ``ok`` where it lives (the CUDA kernel reads it in device memory), so a bucket
-whose average was refused costs nothing and the host never waits for the device. Each element
+tensors and read ``ok`` where it lives: the CPU kernel returns at once when it is False, and
+every CUDA thread reads it in device memory, so the host never waits for the device. Each element
 is one IEEE add or subtract, so they give the bits of the reference, :func:`apply_average_ref`,
-which runs wherever the extension is not built.
+which runs wherever the extension is not built (and allocates two temporaries the size of
+``mean``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -27,7 +30,7 @@ from torch import Tensor
 from flcomm import _native
 from flcomm.kernels import use_native
 
-__all__ = ["OPS", "apply_average", "apply_average_ref"]
+__all__ = ["OPS", "apply_average", "apply_average_ref", "apply_function"]
 
 OPS: tuple[str, ...] = ("apply_average",)
 
@@ -36,10 +39,16 @@ def apply_average(mean: Tensor, anchor: Tensor, target: Tensor, ok: Tensor, *, c
                   backend: str | None = None) -> None:
     """Apply ``mean`` to ``anchor`` and ``target`` where ``ok`` holds (module docstring).
     ``backend``: as the quantization kernels' (:func:`flcomm.kernels.use_native`)."""
-    if use_native(backend, mean.device, OPS):
-        _native.ops().apply_average(mean, anchor, target, ok, correction)
-    else:
-        apply_average_ref(mean, anchor, target, ok, correction=correction)
+    apply_function(mean.device, backend)(mean, anchor, target, ok, correction)
+
+
+def apply_function(device: torch.device, backend: str | None = None) -> Callable[..., None]:
+    """What :func:`apply_average` runs on ``device``, decided once (for a caller that applies
+    many pieces): ``fn(mean, anchor, target, ok, correction)``."""
+    if use_native(backend, device, OPS):
+        return _native.ops().apply_average
+    return lambda mean, anchor, target, ok, correction: apply_average_ref(mean, anchor, target, ok,
+                                                                           correction=correction)
 
 
 def apply_average_ref(mean: Tensor, anchor: Tensor, target: Tensor, ok: Tensor, *, correction: bool) -> None:

@@ -17,8 +17,9 @@ Modes (what a bucket's ``pack`` writes and its ``unpack`` does with the average)
   sync: the correction that the apply step adds to the local shard
   (:meth:`DeltaExchange.add_own`), which keeps the local updates made while the exchange ran.
 
-Where nothing is offloaded and no momentum intervenes, a bucket's unpack is one fused kernel per
-piece (:func:`flcomm.apply.apply_average`).
+A piece's unpack is one fused kernel (:func:`flcomm.apply.apply_average`) where nothing is
+offloaded, the anchor moves by the step itself (avg; nesterov under overlap, whose step is
+scaled first) and the target (own, or the local shard) has the anchor's dtype.
 
 A bucket whose average is not finite is not applied; :attr:`ExchangeResult.bad` marks it. Nothing
 is read on the host during an exchange: each bucket's finite flag stays on the device and
@@ -54,7 +55,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from flcomm.apply import apply_average
+from flcomm.apply import apply_function
 from flcomm.codecs import Codec
 from flcomm.collectives.bucketing import BucketedAllReduce, Segment, StagingPool, bucket_dtype
 
@@ -165,6 +166,7 @@ class DeltaExchange:
                                    error_feedback=error_feedback, op="avg", keep_dtype=in_place,
                                    offload=self.offload, residual_dtype=residual_dtype, staging=staging,
                                    replicate=replicate)
+        self._apply = apply_function(self.bar.device)  # NOTE: decided once, not per piece
 
     @property
     def work_dtypes(self) -> list[torch.dtype]:
@@ -233,12 +235,12 @@ class DeltaExchange:
 
     def _unpack(self, segs: list[Segment], flat: Tensor, locals_: list[Tensor], ok: Tensor) -> None:
         """Apply the bucket's average (``flat``) where the 0-dim device bool ``ok`` holds, on the
-        device, without reading ``ok`` on the host. Not offloaded, the anchor's step and the
-        target's update are one fused kernel (:func:`~flcomm.apply.apply_average`), which writes
-        nothing where ``ok`` does not hold. Else the step is zeroed there first, and every
-        update below leaves its target as it was (``anchor + 0``; the locals and own
-        selected); the momentum stays as it was as well (``buf * 1 + -0``: the mean is zeroed
-        before the outer step)."""
+        device, without reading ``ok`` on the host. Where the module docstring says, the
+        anchor's step and the target's update are one fused kernel, which writes nothing where
+        ``ok`` does not hold. Else the step is zeroed there first, and every update below leaves
+        its target as it was in value (``anchor + 0``, which turns a -0.0 into +0.0; the locals
+        and own selected); the momentum stays as it was as well (``buf * 1 + -0``: the mean is
+        zeroed before the outer step)."""
         for s in segs:
             mean = flat[s.bucket_offset: s.bucket_offset + s.length]
             local = self._piece(locals_[s.index], s)
@@ -258,7 +260,7 @@ class DeltaExchange:
             anchor_home = self.anchors[s.index]
             target = self._piece(self.own[s.index], s) if self.own is not None else local
             if alpha == 1.0 and not self.offload and target.dtype == anchor_home.dtype == step.dtype:
-                apply_average(step, self._piece(anchor_home, s), target, ok, correction=self.own is not None)
+                self._apply(step, self._piece(anchor_home, s), target, ok, self.own is not None)
                 continue
             step.masked_fill_(~ok, 0.0)  # NOTE: not applied: no displacement
             anchor = self._stage(anchor_home, s, flat)

@@ -185,7 +185,7 @@ def nonfinite(tensors: list[Tensor], flat: Tensor | None = None) -> Tensor:
     ts = [flat] if flat is not None else [t for t in tensors if t.numel()]
     if not ts:
         return torch.zeros((), dtype=torch.bool, device=tensors[0].device if tensors else None)
-    ext = torch.cat([torch.stack(torch.aminmax(t)).float() for t in ts])
+    ext = torch.cat([torch.stack(torch.aminmax(t)).double() for t in ts])  # NOTE: fp64's range too
     return (~torch.isfinite(ext)).any()
 
 

@@ -74,7 +74,7 @@ def _worker(rank: int, world: int) -> dict:
                       "own": [o.clone() for o in own], "anchor": [a.clone() for a in anchors]}
 
     # 3b. the apply step, local += own (in the local's dtype), piece by piece: bf16 locals with
-    # fp32 anchors and own deltas, on the device and offloaded (staged through the scratch)
+    # fp32 anchors and own copies, on the device and offloaded (staged through the scratch)
     for offload in (False, True):
         loc = _data(rank, "local", torch.bfloat16)
         anchors = [a.float() for a in _data(0, "anchor")]
@@ -99,6 +99,27 @@ def _worker(rank: int, world: int) -> dict:
     res = _run(ex, loc)
     out["bad"] = {"bad_buckets": res.bad_buckets, "layout": ex.bar.layout(), "anchors": anchors, "keep": keep,
                   "locals": loc, "before": before}
+
+    # 4b. the same refusal with overlap + nesterov, on the device (the fused apply) and offloaded
+    # (staged through the scratch): the refused bucket's anchors, own copies and momentum stay
+    for offload in (False, True):
+        loc = _data(rank, "local")
+        anchors = _data(0, "anchor")
+        if rank == 1:
+            loc[1][500] = float("inf")
+        own = [t.clone() for t in loc]
+        outer = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
+        outer.allocate(anchors[:2])
+        for b, m in zip(outer.buffers, _data(0, "momentum")):
+            b.copy_(m)  # NOTE: not zero, so a change would show
+        keep = {"anchors": [a.clone() for a in anchors], "own": [o.clone() for o in own],
+                "momentum": [b.clone() for b in outer.buffers]}
+        ex = DeltaExchange(TorchTransport(), loc, codec=none, bucket_mb=BUCKET_MB, error_feedback=False,
+                           in_place=False, anchors=anchors, own=own, outer=outer, momentum_index=[0, 1, None],
+                           offload=offload)
+        res = _run(ex, loc)
+        out[("bad overlap", offload)] = {"bad_buckets": res.bad_buckets, "layout": ex.bar.layout(), "keep": keep,
+                                         "anchors": anchors, "own": own, "momentum": outer.buffers}
 
     # 5. issue order of the collectives in the engine: int8, 3+ buckets
     class Recording(TorchTransport):
@@ -207,6 +228,29 @@ def test_non_finite_bucket_is_not_applied(results):
                     torch.testing.assert_close(piece(b["anchors"]).double(), piece(want), rtol=0, atol=1e-5)
                     assert torch.equal(piece(b["locals"]), piece(b["anchors"])), (k, s)
         assert all(bool(torch.isfinite(a).all()) for a in b["anchors"])
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_non_finite_bucket_with_overlap_and_nesterov_is_not_applied(results, offload):
+    """The refused bucket leaves the anchor, the own copy (the local shard as of the sync) and
+    the momentum as they were; every other bucket moved them (own became the correction)."""
+    for r in results:
+        b = r[("bad overlap", offload)]
+        hit = [k for k, segs in enumerate(b["layout"]) for s in segs
+               if s.index == 1 and s.tensor_offset <= 500 < s.tensor_offset + s.length]
+        assert b["bad_buckets"] == hit and len(hit) == 1
+        moved = 0
+        for k, segs in enumerate(b["layout"]):
+            for s in segs:
+                kinds = ["anchors", "own"] + (["momentum"] if s.index < 2 else [])
+                for kind in kinds:
+                    got = b[kind][s.index].reshape(-1)[s.tensor_offset:s.tensor_offset + s.length]
+                    was = b["keep"][kind][s.index].reshape(-1)[s.tensor_offset:s.tensor_offset + s.length]
+                    if k == hit[0]:
+                        assert torch.equal(got, was), (k, s, kind)
+                    else:
+                        moved += not torch.equal(got, was)
+        assert moved > 0
 
 
 def test_issue_order_is_the_documented_pipeline_on_every_rank(results):

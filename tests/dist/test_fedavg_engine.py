@@ -216,7 +216,7 @@ def test_memory_stats_match_the_cost_models_shard_copies(memory_results, name):
         want_dev = fedavg_shard_copies(plan) * shard
         assert want_dev <= on_device <= want_dev + (0 if "offload" in extra else slack), (name, m)
         # NOTE: against what is allocated: the storages behind the buffers (one per kind), and the
-        # model's own sizes for the anchor, own delta and momentum
+        # model's own sizes for the anchor, own copy and momentum
         model = s["model_bytes"]
         assert m["anchor"] == (0 if name == "paper" else model), (name, m)
         assert m["own"] == (model if kw.get("overlap_steps") else 0), (name, m)

@@ -634,7 +634,7 @@ def test_offload_bf16_fragments_bit_for_bit_on_cpu():
 @pytest.mark.timeout(120)
 def test_offload_bf16_fragments_bit_for_bit():
     """FedAvg with bf16 parameters, two fragments, Nesterov, overlap, over the slow wire (no
-    delay), 8 steps, with offload="cpu" (anchors, own deltas, momentum in pinned host memory) and
+    delay), 8 steps, with offload="cpu" (anchors, own copies, momentum in pinned host memory) and
     without. Codec none, not int8 + error feedback as first asked: offload shrinks the buckets
     so that a bucket's device buffers fit in two buckets, which moves the int8 blocks and chunk
     boundaries, so lossy runs differ by their quantization error by design.

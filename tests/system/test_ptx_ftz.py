@@ -23,7 +23,8 @@ def _setup_module():
 
 
 #: the .cu files that do float arithmetic, each with a kernel whose name must be in its PTX
-FLOAT_SOURCES = [("quant_cuda.cu", "quant_blocks_kernel"), ("sparse_cuda.cu", "topk_encode_kernel")]
+FLOAT_SOURCES = [("quant_cuda.cu", "quant_blocks_kernel"), ("sparse_cuda.cu", "topk_encode_kernel"),
+                 ("apply_cuda.cu", "apply_average_kernel")]
 
 
 @pytest.mark.timeout(600)

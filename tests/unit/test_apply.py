@@ -77,6 +77,7 @@ def test_bad_input_is_refused_with_what_was_expected():
     ops = _native.ops()
     m, a, t = torch.zeros(8), torch.zeros(8), torch.zeros(8)
     ok = torch.tensor(True)
+    raw = torch.zeros(32, dtype=torch.uint8)  # a flag inside the anchor's bytes
     cases = [
         ((m.half(), a, t, ok), "mean must be float32 or float64, got Half"),
         ((m, a.double(), t, ok), r"must have mean's dtype \(Float\), got Double and Float"),
@@ -84,8 +85,9 @@ def test_bad_input_is_refused_with_what_was_expected():
         ((m, torch.zeros(16)[::2], t, ok), "must be contiguous"),
         ((m, a, t, torch.tensor(1.0)), "ok must be one bool on mean's device"),
         ((m, a, t, torch.ones(2, dtype=torch.bool)), r"got 2 element\(s\) of Bool"),
-        ((m, a, a, ok), "must not overlap in memory"),
-        ((m, m, t, ok), "must not overlap in memory"),
+        ((m, a, a, ok), "must not overlap each other, mean or ok"),
+        ((m, m, t, ok), "must not overlap each other, mean or ok"),
+        ((m, raw[:32].view(torch.float32), t, raw[4:5].view(torch.bool)), "must not overlap each other, mean or ok"),
     ]
     for args, match in cases:
         with pytest.raises(RuntimeError, match=match):
