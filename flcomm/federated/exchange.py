@@ -58,6 +58,7 @@ from torch import Tensor
 from flcomm.apply import apply_function
 from flcomm.codecs import Codec
 from flcomm.collectives.bucketing import BucketedAllReduce, Segment, StagingPool, bucket_dtype
+from flcomm.federated.shards import nonfinite
 
 if TYPE_CHECKING:
     from flcomm.collectives.compressed import GatherPlan, TwoHopPlan
@@ -183,12 +184,11 @@ class DeltaExchange:
         def unpack(segs: list[Segment], flat: Tensor) -> None:
             k = bucket[0]
             bucket[0] += 1
-            # NOTE: min and max propagate NaN and show +-Inf: no bucket-sized bool temporary, so
-            # an offloaded exchange stays within its two buckets on the device
-            lo, hi = torch.aminmax(flat)
-            finite = torch.isfinite(lo) & torch.isfinite(hi)
-            bad[k] = ~finite
-            ok = finite if skip is None else finite & ~skip
+            # NOTE: no bucket-sized temporary, so an offloaded exchange stays within its two
+            # buckets on the device
+            nf = nonfinite([flat])
+            bad[k] = nf
+            ok = ~nf if skip is None else ~(nf | skip)
             self._unpack(segs, flat, locals_, ok)
 
         self.bar.run_pipeline(job, lambda segs, flat: self._pack(segs, flat, locals_), unpack)
