@@ -4,11 +4,16 @@ torchrun on the CPU (gloo), with the world its marker asks for.
 Each ```python block is preceded by a marker line::
 
     <!-- snippet: name=NAME world=4 -->               a complete script (world: torchrun ranks, 1 by default)
-    <!-- snippet: world=4 after=NAME -->               NAME's code, then this block
+    <!-- snippet: world=4 after=NAME -->               NAME's code, then this block (before NAME's teardown)
     <!-- snippet: world=4 replaces=NAME:12-18 -->      NAME's code with its lines 12-18 replaced by this block
 
 A block without a marker fails the test: no snippet goes untested. The reference is the snippet's
-own exit status (a snippet asserts what it shows where it can)."""
+own exit status (a snippet asserts what it shows where it can).
+
+A complete script of more than one rank ends with its teardown, ``dist.destroy_process_group()``:
+one that leaves it to interpreter exit can abort there ("terminate called without an active
+exception") when a gloo thread drops the last reference to a tensor after Python has begun to
+finalize. A block ``after`` it goes before that line, where a reader would add it."""
 
 from __future__ import annotations
 
@@ -45,9 +50,14 @@ SNIPPETS = _snippets()
 BY_NAME = {s["name"]: s for s in SNIPPETS if "name" in s}
 
 
+TEARDOWN = "dist.destroy_process_group()"
+
+
 def _code(s: dict) -> str:
     if "after" in s:
-        return _code(BY_NAME[s["after"]]) + "\n" + s["code"]
+        base = _code(BY_NAME[s["after"]]).splitlines()
+        end = len(base) - 1 if base and base[-1].startswith(TEARDOWN) else len(base)
+        return "\n".join(base[:end] + s["code"].splitlines() + base[end:])
     if "replaces" in s:
         name, _, span = s["replaces"].partition(":")
         a, b = (int(x) for x in span.split("-"))
@@ -63,6 +73,13 @@ def test_every_python_block_is_marked():
         for key in ("after", "replaces"):
             if key in s:
                 assert s[key].partition(":")[0] in BY_NAME, (s["page"], s["line"], s[key])
+
+
+def test_every_multi_rank_script_tears_down():
+    scripts = [s for s in SNIPPETS if s["marked"] and int(s.get("world", 1)) > 1]
+    assert scripts
+    untorn = [f"{s['page']}:{s['line']}" for s in scripts if not _code(s).splitlines()[-1].startswith(TEARDOWN)]
+    assert not untorn, f"multi-rank snippets that leave {TEARDOWN} to interpreter exit: {untorn}"
 
 
 @pytest.mark.parametrize("snippet", [s for s in SNIPPETS if s["marked"]], ids=lambda s: f"{s['page']}:{s['line']}")
