@@ -67,6 +67,7 @@ from flcomm.codecs import Codec, get_codec
 from flcomm.collectives.compressed import (
     GatherPlan,
     TwoHopPlan,
+    gathers,
     lossless_all_reduce,
     make_plan,
     parse_sum_avg,
@@ -371,13 +372,12 @@ class BucketedAllReduce:
 
     def _device_bytes(self, fill: int, dtype: torch.dtype) -> int:
         """Device bytes an offloaded exchange of one bucket of ``fill`` elements needs: staging
-        buffer and scratch, two-hop plan (send, receive, accumulator) and hop 2's error. The same
-        sizes as :meth:`_layout`, :meth:`_slot_flat`, :meth:`scratch` and ``TwoHopPlan``;
-        :meth:`memory_bytes` measures the real ones."""
+        buffer and scratch, the plan (two hops: send, receive, accumulator and hop 2's error), the
+        sizes of :meth:`_layout`, :meth:`_slot_flat`, :meth:`scratch` and the plans (measured: :meth:`memory_bytes`)."""
         world, R = self.transport.size, self.replicas
         wire = wire_numel(-(-fill // R), world, self.codec)
         nbytes = 2 * wire * R * torch.empty((), dtype=dtype).element_size()
-        if self.codec.sparse and world > 1:
+        if gathers(self.codec, world, R):
             # NOTE: GatherPlan: one encoding sent, world gathered, the result decoded in place
             return nbytes + (world + 1) * self.codec.encoded_nbytes(wire)
         if not self.codec.lossless and world > 1:
@@ -405,15 +405,15 @@ class BucketedAllReduce:
         residuals and two-hop plans, and the pool's named buffers; the staging pool's, shared
         with the all-reduces that share it), ``residual`` (the error-feedback residuals, in host
         memory with offload), and ``transient``: the largest temporary an exchange allocates on
-        the device besides those (hop 2's error with error feedback and a lossy codec: one chunk
-        of fp32)."""
+        the device besides those (hop 2's error with error feedback, where the codec reduces in
+        two hops: one chunk of fp32; a gathering plan, ``compressed.gathers``, has no hop 2)."""
         staging = self.staging.nbytes()
         res = sum(b.residual.numel() * b.residual.element_size() for b in self._buckets if b.residual is not None)
-        # NOTE: a sparse codec's plan has no hop 2, so no hop-2 error
-        lossy = not self.codec.lossless and not self.codec.sparse and self.transport.size > 1
-        transient = max((4 * b.wire // self.transport.size for b in self._buckets), default=0)
+        W = self.transport.size
+        hop2 = W > 1 and not self.codec.lossless and not gathers(self.codec, W, self.replicas)
+        transient = max((4 * b.wire // W for b in self._buckets), default=0)
         return {"staging": staging, "residual": res,
-                "transient": transient if lossy and self.error_feedback else 0}
+                "transient": transient if hop2 and self.error_feedback else 0}
 
     def _check(self, tensors: list[Tensor], what: str) -> None:
         dev = None
@@ -547,7 +547,7 @@ class BucketedAllReduce:
         if key not in slot.plans:
             if self.offload:
                 slot.plans.clear()  # NOTE: one plan on the device (the last bucket may be smaller)
-            slot.plans[key] = make_plan(self.transport, b.wire, self.codec, self.op, self.device)
+            slot.plans[key] = make_plan(self.transport, b.wire, self.codec, self.op, self.device, self.replicas)
         slot.plan = slot.plans[key]
         slot.plan.encode_scatter(flat, res)
 

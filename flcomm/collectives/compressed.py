@@ -23,6 +23,13 @@ encodings, and every rank decodes and adds them in rank order (divided by W for 
 rank ends bit-identical; its error feedback is the one encoding's. On the wire each rank sends
 ``(W-1)/W * W * E(n)``: with top-k at 2% and 2 bits on 4 ranks, 0.024x of an fp32 ring all-reduce.
 
+On two ranks a dense codec takes that path too (:func:`gathers`): one all-gather sends the same
+bytes as the two hops (``E(n)`` per rank either way), in one collective instead of two, and each
+value is quantized once instead of twice; the reduce, the re-encode and hop 2's error go away
+(about a quarter of the exchange's host work on two CPU ranks: bench/results/). Where the
+replicas of a sharded exchange gather the result (``replicas`` > 1), two hops stay: hop 2's one
+encoding of the slice is half of the two encodings.
+
 Error feedback (``residual``, fp32, same shape as the tensor, kept by the caller across rounds):
 hop 1 uses the fused ``y = x + residual; q = Q(y); residual = y - D(q)``; the owner of chunk ``j``
 also adds the hop-2 error of chunk ``j`` (times ``W`` for AVG) to its residual. The residuals of
@@ -43,7 +50,7 @@ from flcomm.comm.base import ReduceOp, Transport, Work, wire_bytes
 from flcomm.kernels import check_fp32
 
 __all__ = ["CompressedWork", "GatherPlan", "TwoHopPlan", "chunk_numel", "compressed_all_reduce",
-           "compressed_wire_bytes", "lossless_all_reduce", "make_plan", "parse_sum_avg", "wire_numel"]
+           "compressed_wire_bytes", "gathers", "lossless_all_reduce", "make_plan", "parse_sum_avg", "wire_numel"]
 
 
 def chunk_numel(numel: int, world: int, codec: Codec) -> int:
@@ -64,13 +71,23 @@ def wire_numel(numel: int, world: int, codec: Codec) -> int:
     return chunk_numel(numel, world, codec) * world
 
 
+def gathers(codec: Codec, world: int, replicas: int = 1) -> bool:
+    """Whether a lossy all-reduce through ``codec`` on ``world`` ranks all-gathers the encodings
+    (:class:`GatherPlan`) instead of reducing them in two hops (:class:`TwoHopPlan`): a sparse
+    codec always, a dense one on two ranks unless ``replicas`` > 1 gather its result (module
+    docstring). False for a lossless codec or one rank (no plan)."""
+    if codec.lossless or world < 2:
+        return False
+    return codec.sparse or (world == 2 and replicas == 1)
+
+
 def compressed_wire_bytes(numel: int, world: int, codec: str | Codec = "int8") -> int:
     """Bytes one rank sends in :func:`compressed_all_reduce` (all-to-all plus all-gather), in the
     transports' convention (``(W-1)/W`` of the buffer for each)."""
     codec = get_codec(codec)
     if codec.lossless:
         return wire_bytes("all_reduce", 4 * numel, world)
-    if codec.sparse:
+    if gathers(codec, world):
         return wire_bytes("all_gather", world * codec.encoded_nbytes(wire_numel(numel, world, codec)), world)
     # NOTE: hop 1 all-to-all and hop 2 all-gather, each of `world` encoded chunks
     e = world * codec.encoded_nbytes(chunk_numel(numel, world, codec))
@@ -259,7 +276,7 @@ class TwoHopPlan(_Plan):
 
 class GatherPlan(_Plan):
     """The buffers and stages of one all-gather all-reduce of ``numel`` fp32 elements through a
-    sparse codec (module docstring), with the stages of :class:`TwoHopPlan`:
+    sparse codec, or a dense one on two ranks (module docstring), with the stages of :class:`TwoHopPlan`:
     :meth:`encode_scatter` encodes and issues the all-gather, :meth:`reduce_gather` has nothing
     left to do (the one hop is in flight), :meth:`decode_result` decodes the ``world``
     encodings into the tensor. Reusable, one exchange at a time."""
@@ -296,18 +313,23 @@ class GatherPlan(_Plan):
             raise RuntimeError(f"reduce_gather() needs encode_scatter() to have run, state is {self._state}")
 
     def _decode_gathered(self, encoded: Tensor, work: Tensor) -> None:
-        work.zero_()
+        # NOTE: the first encoding decoded into the tensor, the others added in rank order: the
+        # sum's bits of accumulating into zeros (but a -0.0 the first one decodes stays -0.0)
         for i in range(self.world):
-            self.codec.decode_accumulate(encoded[i * self.enc: (i + 1) * self.enc], self.padded_numel, work)
+            enc = encoded[i * self.enc: (i + 1) * self.enc]
+            if i == 0:
+                self.codec.decode(enc, self.padded_numel, work)
+            else:
+                self.codec.decode_accumulate(enc, self.padded_numel, work)
         if self.op is ReduceOp.AVG:
             work.div_(self.world)
 
 
 def make_plan(transport: Transport, numel: int, codec: Codec, op: ReduceOp,
-              device: torch.device) -> TwoHopPlan | GatherPlan:
-    """The plan of a lossy all-reduce of ``numel`` elements through ``codec``: all-gather for a
-    sparse codec, two hops otherwise."""
-    cls = GatherPlan if codec.sparse else TwoHopPlan
+              device: torch.device, replicas: int = 1) -> TwoHopPlan | GatherPlan:
+    """The plan of a lossy all-reduce of ``numel`` elements through ``codec``: all-gather where
+    :func:`gathers` says so, two hops otherwise."""
+    cls = GatherPlan if gathers(codec, transport.size, replicas) else TwoHopPlan
     return cls(transport, numel, codec, op, device)
 
 

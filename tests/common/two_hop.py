@@ -1,7 +1,7 @@
-"""The independent references of the compressed two-hop all-reduce (flcomm.collectives.compressed):
-a single-process simulation of both hops with the formats written from their definitions
-(tests/common/format_ref.py, no flcomm code), the format's
-per-element error bound, and per-rank test inputs."""
+"""The independent references of the compressed all-reduce (flcomm.collectives.compressed):
+single-process simulations of its two hops and of its one all-gather (two ranks), with the
+formats written from their definitions (tests/common/format_ref.py, no flcomm code), the
+format's per-element error bound, and per-rank test inputs."""
 
 from __future__ import annotations
 
@@ -69,14 +69,48 @@ def simulate_two_hop(xs: list[torch.Tensor], name: str, op: str, block: int = BL
     return out[:n], acc[:n], [r[:n] for r in new_res]
 
 
-def two_hop_bound(xs: list[torch.Tensor], reduced: torch.Tensor, name: str, op: str) -> torch.Tensor:
+def simulate_gather(xs: list[torch.Tensor], name: str, op: str, block: int = BLOCK,
+                    residuals: list[torch.Tensor] | None = None):
+    """Single-process one-hop all-reduce (what flcomm documents for a dense codec on two ranks):
+    pad as :func:`simulate_two_hop` does; every rank's whole padded tensor is encoded and decoded
+    once; the decoded tensors are summed in rank order (/ W for avg). Returns (result, the same
+    result: there is no second quantization, new residuals: each rank's one error)."""
+    W, n = len(xs), xs[0].numel()
+    c = -(-n // W)
+    a = _align(name, block)
+    P = W * (-(-c // a) * a)
+    ys = []
+    for i, x in enumerate(xs):
+        y = torch.zeros(P)
+        y[:n] = x + (residuals[i] if residuals is not None else 0)
+        ys.append(y)
+    deq = [round_trip(y, name, block) for y in ys]
+    out = deq[0].clone()
+    for d in deq[1:]:
+        out += d
+    if op == "avg":
+        out /= W
+    return out[:n], out[:n], [(y - d)[:n] for y, d in zip(ys, deq)]
+
+
+def simulate(xs: list[torch.Tensor], name: str, op: str, block: int = BLOCK,
+             residuals: list[torch.Tensor] | None = None):
+    """The all-reduce flcomm documents for ``len(xs)`` ranks and no replicas: one all-gather on two
+    ranks (:func:`simulate_gather`), two hops on more (:func:`simulate_two_hop`)."""
+    sim = simulate_gather if len(xs) == 2 else simulate_two_hop
+    return sim(xs, name, op, block, residuals)
+
+
+def two_hop_bound(xs: list[torch.Tensor], reduced: torch.Tensor, name: str, op: str,
+                  hops: int = 2) -> torch.Tensor:
     """Per-element bound from the format's definition (tests/common/format_ref.py): sum of the hop-1
-    bounds (over W for avg) plus the hop-2 bound of the reduced values, plus fp32 summation
-    slack."""
+    bounds (over W for avg) plus, with ``hops`` 2, the hop-2 bound of the reduced values, plus
+    fp32 summation slack."""
     W = len(xs)
     # NOTE: chunks are whole blocks, so blocking the whole tensor gives the chunks' blocks
     h1 = sum(format_ref.error_bound(x, name, BLOCK) for x in xs)
     if op == "avg":
         h1 = h1 / W
     slack = sum(x.abs().double() for x in xs) * (W * 2.0**-22) / (W if op == "avg" else 1)
-    return h1 + format_ref.error_bound(reduced, name, BLOCK) + slack + 1e-30
+    h2 = format_ref.error_bound(reduced, name, BLOCK) if hops == 2 else 0
+    return h1 + h2 + slack + 1e-30

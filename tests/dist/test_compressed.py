@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.common.dist import run_distributed
-from tests.common.two_hop import rank_input, simulate_two_hop, two_hop_bound
+from tests.common.two_hop import rank_input, simulate, two_hop_bound
 
 CODEC_NAMES = ["none", "bf16", "fp16", "int8", "fp8"]
 SIZES = [1, 5, 255, 1000, 4099]
@@ -71,16 +71,16 @@ def _check_grid(world: int, results: list[dict]) -> None:
         if name == "none":
             assert torch.allclose(y, exact, rtol=1e-6, atol=1e-6 * mag), (name, n, mag, op)
             continue
-        sim, reduced, _ = simulate_two_hop(xs, name, op)
+        sim, reduced, _ = simulate(xs, name, op)  # NOTE: one all-gather on two ranks, two hops on more
         assert torch.equal(y, sim), ("differs from the reference simulation", name, n, mag, op,
                                      float((y - sim).abs().max()))
-        bound = two_hop_bound(xs, reduced, name, op)
+        bound = two_hop_bound(xs, reduced, name, op, hops=1 if world == 2 else 2)
         err = (y.double() - exact.double()).abs()
         assert bool((err <= bound).all()), (name, n, mag, op, float((err - bound).max()))
     m, same_storage = results[0]["2d"]
     xs = [rank_input(r, 999, 300, 1.0) for r in range(world)]
     assert same_storage and m.shape == (20, 15)
-    assert torch.equal(m.view(-1), simulate_two_hop(xs, "int8", "sum")[0])
+    assert torch.equal(m.view(-1), simulate(xs, "int8", "sum")[0])
 
 
 # NOTE: spawning ranks costs seconds of imports each time: one run per world size does every
@@ -91,13 +91,19 @@ EF_ROUNDS = 6
 
 def _all_body(rank: int, world: int) -> dict:
     out = {"grid": _grid_body(rank, world)}
-    if world == 4:
+    if world != 3:
         for name, op in EF_CASES:
             out[("ef", name, op)] = _ef_body(rank, world, name, EF_ROUNDS, op)
-    else:
+    if world != 4:
         out["wire"] = _wire_body(rank, world)
+    if world == 3:
         out["errors"] = _errors_body(rank, world)
     return out
+
+
+@pytest.fixture(scope="module")
+def run2() -> list[dict]:
+    return run_distributed(_all_body, 2, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +114,10 @@ def run3() -> list[dict]:
 @pytest.fixture(scope="module")
 def run4() -> list[dict]:
     return run_distributed(_all_body, 4, timeout=240)
+
+
+def test_grid_against_exact_and_simulation_2_ranks(run2):
+    _check_grid(2, [r["grid"] for r in run2])
 
 
 def test_grid_against_exact_and_simulation_3_ranks(run3):
@@ -140,10 +150,11 @@ def _ef_body(rank: int, world: int, name: str, rounds: int, op: str) -> dict:
     return {"total_ef": total_ef, "total_plain": total_plain, "res": res, "outs": outs}
 
 
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name,op", EF_CASES)
-def test_error_feedback_tracks_the_exact_sum(run4, name, op):
-    world, rounds, n = 4, EF_ROUNDS, 777
-    results = [r[("ef", name, op)] for r in run4]
+def test_error_feedback_tracks_the_exact_sum(request, world, name, op):
+    rounds, n = EF_ROUNDS, 777
+    results = [r[("ef", name, op)] for r in request.getfixturevalue(f"run{world}")]
     xs = [rank_input(r, 5, n, 1.0) for r in range(world)]
     exact_round = sum(xs) / (world if op == "avg" else 1)
     exact_total = exact_round * rounds
@@ -153,10 +164,10 @@ def test_error_feedback_tracks_the_exact_sum(run4, name, op):
     res_sum = sum(r["res"] for r in results) / (world if op == "avg" else 1)
     assert torch.allclose(ef + res_sum, exact_total, rtol=0, atol=1e-4)
     # the simulation of round 1 gives the same result and residuals
-    sim, reduced, sim_res = simulate_two_hop(xs, name, op)
+    sim, reduced, sim_res = simulate(xs, name, op)
     assert torch.equal(results[0]["outs"][0], sim)
     # within one round's error, while plain compression drifts by `rounds` times that
-    bound = two_hop_bound(xs, exact_round, name, op) * 1.01
+    bound = two_hop_bound(xs, exact_round, name, op, hops=1 if world == 2 else 2) * 1.01
     err_ef = (ef - exact_total).abs()
     assert bool((err_ef <= bound).all()), float((err_ef - bound).max())
     err_plain = (plain - exact_total).abs()
@@ -181,14 +192,18 @@ def _wire_body(rank: int, world: int) -> dict:
     return out
 
 
-def test_wire_bytes_against_fp32_all_reduce(run3):
-    r = run3[0]["wire"]
+@pytest.mark.parametrize("world", [2, 3])
+def test_wire_bytes_against_fp32_all_reduce(request, world):
+    r = request.getfixturevalue(f"run{world}")[0]["wire"]
     fp32 = r["fp32"]
     for name, (measured, predicted) in ((k, v) for k, v in r.items() if k != "fp32"):
         assert measured == predicted, name
     assert r["none"][0] == fp32
     assert r["int8"][0] / fp32 <= 0.27 and r["fp8"][0] / fp32 <= 0.27
     assert r["bf16"][0] / fp32 <= 0.5 and r["fp16"][0] / fp32 <= 0.5
+    if world == 2:  # one all-gather sends what the two hops would: one encoding of the tensor per rank
+        n = 3 << 16
+        assert r["int8"][0] == r["fp8"][0] == n + 4 * (n // 256) and r["bf16"][0] == 2 * n, r
 
 
 def _errors_body(rank: int, world: int) -> list[str]:

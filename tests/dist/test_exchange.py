@@ -34,8 +34,8 @@ def _run(ex, locals_):
 
 
 def _worker(rank: int, world: int) -> dict:
-    from flcomm.comm import TorchTransport
     from flcomm.codecs import get_codec
+    from flcomm.comm import TorchTransport
     from flcomm.federated.exchange import DeltaExchange
     from flcomm.federated.outer import OuterOptimizer
 
@@ -121,7 +121,17 @@ def _worker(rank: int, world: int) -> dict:
         out[("bad overlap", offload)] = {"bad_buckets": res.bad_buckets, "layout": ex.bar.layout(), "keep": keep,
                                          "anchors": anchors, "own": own, "momentum": outer.buffers}
 
-    # 5. issue order of the collectives in the engine: int8, 3+ buckets
+    return out
+
+
+def _order_worker(rank: int, world: int) -> dict:
+    """The engine's issue order of the collectives: int8, 3+ buckets (a gathering plan on 2 ranks,
+    two hops on 3: flcomm.collectives.compressed.gathers)."""
+    from flcomm.codecs import get_codec
+    from flcomm.comm import TorchTransport
+    from flcomm.federated.exchange import DeltaExchange
+
+    out: dict = {}
     class Recording(TorchTransport):
         log: list[str] = []
 
@@ -151,6 +161,11 @@ def _worker(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
     return run_distributed(_worker, WORLD, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def orders() -> dict[int, list[dict]]:
+    return {w: run_distributed(_order_worker, w, timeout=240) for w in (2, 3)}
 
 
 def _mean(what: str, dtype=torch.float32) -> list[torch.Tensor]:
@@ -253,18 +268,23 @@ def test_non_finite_bucket_with_overlap_and_nesterov_is_not_applied(results, off
         assert moved > 0
 
 
-def test_issue_order_is_the_documented_pipeline_on_every_rank(results):
-    logs = [r["order"][0] for r in results]
-    nb = results[0]["order"][1]
+def test_issue_order_is_the_documented_pipeline_on_every_rank(orders):
+    # two hops (3 ranks): hop 1 of bucket k is issued before hop 2 (the all-gather) of bucket k-1
+    logs = [r["order"][0] for r in orders[3]]
+    nb = orders[3][0]["order"][1]
     assert nb >= 3
     want = ["a2a"]
-    for k in range(1, nb):
-        want += ["a2a", "ag"]  # issue bucket k, then the middle (all-gather) of bucket k-1
+    want += ["a2a", "ag"] * (nb - 1)  # issue bucket k, then the middle (all-gather) of bucket k-1
     want += ["ag"]
     assert logs[0] == want, logs[0]
     assert all(log == logs[0] for log in logs)
     # offload: single-buffered (one bucket on the device at a time)
-    logs = [r["order offload"][0] for r in results]
-    nb = results[0]["order offload"][1]
+    logs = [r["order offload"][0] for r in orders[3]]
+    nb = orders[3][0]["order offload"][1]
     assert nb >= 3 and logs[0] == ["a2a", "ag"] * nb, logs[0]
     assert all(log == logs[0] for log in logs)
+    # a gathering plan (2 ranks): one all-gather per bucket, in bucket order, nothing else
+    for key in ("order", "order offload"):
+        logs = [r[key][0] for r in orders[2]]
+        assert orders[2][0][key][1] >= 3 and logs[0] == ["ag"] * orders[2][0][key][1], (key, logs[0])
+        assert all(log == logs[0] for log in logs)

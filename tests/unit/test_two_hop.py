@@ -74,3 +74,24 @@ def test_gather_plan_stages_are_named_and_its_buffers_counted():
         plan.decode_result()
     assert type(make_plan(SimpleNamespace(size=3, rank=1), 1000, get_codec("int8"), ReduceOp.AVG,
                           torch.device("cpu"))).__name__ == "TwoHopPlan"
+
+
+def test_the_plan_gathers_on_two_ranks_and_a_sparse_codec():
+    """The documented choice (flcomm.collectives.compressed.gathers): one all-gather for a sparse
+    codec on any world, and for a dense one on two ranks without replicas gathering its result;
+    two hops otherwise; no plan for a lossless codec or one rank."""
+    from types import SimpleNamespace
+
+    from flcomm.collectives.compressed import gathers, make_plan
+    from flcomm.comm.base import ReduceOp
+
+    topk = get_codec("topk:k=4:bits=2:block=256")
+    for name in ("bf16", "fp16", "int8", "fp8"):
+        c = get_codec(name)
+        assert gathers(c, 2) and not gathers(c, 2, replicas=2) and not gathers(c, 3) and not gathers(c, 1), name
+    assert gathers(topk, 2) and gathers(topk, 3) and gathers(topk, 2, replicas=2)
+    assert not gathers(get_codec("none"), 2)
+    for world, replicas, want in ((2, 1, "GatherPlan"), (2, 2, "TwoHopPlan"), (3, 1, "TwoHopPlan")):
+        plan = make_plan(SimpleNamespace(size=world, rank=0), 1000, get_codec("int8"), ReduceOp.AVG,
+                         torch.device("cpu"), replicas)
+        assert type(plan).__name__ == want, (world, replicas)
