@@ -230,9 +230,9 @@ class SlowWire(Transport):
     Each collective's wire time is kept as a pair of events (``intervals``), grouped per exchange:
     an int32 all-reduce (FedAvg's non-finite flags) opens a new group.
 
-    NOTE: the average of two mirrors is the rank's own delta for the exact collectives; the
-    two-hop all-gather returns this rank's reduced chunk for both chunks (the peer's chunk would
-    need the peer's pipeline): the values are finite and deterministic, not a true average."""
+    NOTE: the average of two mirrors is the rank's own delta, for the exact collectives and for a
+    lossy codec's one all-gather on two ranks alike (the two-hop path, which reduces chunks, would
+    need the peer's pipeline; it takes three ranks or more)."""
 
     def __init__(self, device: torch.device, delay_s: float = 0.0) -> None:
         super().__init__(0, 2, LinkTier.INTER_GROUP, CommStats(), timedelta(seconds=60))
@@ -650,31 +650,21 @@ def test_offload_bf16_fragments_bit_for_bit():
 
 # ---------------------------------------------------------------- 6. the residual after an Inf gradient
 
-def _two_hop_mirror_ref(x: Tensor, residual: Tensor, fmt: str, block: int) -> tuple[Tensor, Tensor]:
+def _mirror_ref(x: Tensor, residual: Tensor, fmt: str, block: int) -> tuple[Tensor, Tensor]:
     """Plain torch (flcomm.kernels' *_ref twins): compressed_all_reduce's avg with error feedback
-    as rank 0 of two ranks whose peer is its mirror (SlowWire): hop 1 encodes both chunks with
-    the residual, receives its own chunk 0 twice, averages, re-encodes with the hop-2 error
-    (times 2) into the residual of chunk 0; hop 2 returns that chunk for both. Returns (result,
-    new residual)."""
+    as rank 0 of two ranks whose peer is its mirror (SlowWire). On two ranks it is one all-gather
+    (flcomm.collectives.compressed.gathers): the whole tensor is encoded once with the residual,
+    both ranks' encodings (the same) are gathered, and the result is the first decoded, the
+    second added, divided by 2. Returns (result, new residual)."""
     from flcomm import kernels
 
-    c = x.numel() // 2
     r = residual.clone()
-    enc = kernels.encoded_nbytes(c, fmt, block)
-    slots = [torch.empty(enc, dtype=torch.uint8) for _ in range(2)]
-    for j in range(2):
-        kernels.quantize_error_feedback_ref(x[j * c:(j + 1) * c], r[j * c:(j + 1) * c], slots[j], fmt=fmt,
-                                            block_size=block)
-    acc = torch.zeros(c)
-    for _ in range(2):
-        kernels.dequantize_ref(slots[0], acc, fmt=fmt, block_size=block, accumulate=True)
-    acc.div_(2)
-    err, mine = torch.zeros(c), torch.empty(enc, dtype=torch.uint8)
-    kernels.quantize_error_feedback_ref(acc, err, mine, fmt=fmt, block_size=block)
-    r[:c].add_(err.mul_(2))
-    half = torch.empty(c)
-    kernels.dequantize_ref(mine, half, fmt=fmt, block_size=block)
-    return torch.cat([half, half]), r
+    q = torch.empty(kernels.encoded_nbytes(x.numel(), fmt, block), dtype=torch.uint8)
+    kernels.quantize_error_feedback_ref(x, r, q, fmt=fmt, block_size=block)
+    out = torch.empty(x.numel())
+    kernels.dequantize_ref(q, out, fmt=fmt, block_size=block)
+    kernels.dequantize_ref(q, out, fmt=fmt, block_size=block, accumulate=True)
+    return out.div_(2), r
 
 
 def test_mirror_reference_is_the_hook_on_cpu():
@@ -689,7 +679,7 @@ def test_mirror_reference_is_the_hook_on_cpu():
     r = torch.zeros(64 * codec.block_size)
     for _ in range(3):
         x = torch.randn(r.numel(), generator=g)
-        want, r = _two_hop_mirror_ref(x, r, codec.fmt, codec.block_size)
+        want, r = _mirror_ref(x, r, codec.fmt, codec.block_size)
         got = x.clone()
         hook(got)
         assert torch.equal(got, want) and torch.equal(hook.residual, r)
@@ -703,7 +693,7 @@ def test_hook_residual_is_finite_again_after_an_inf_gradient():
     then two finite ones.
     Pass rule: the residual is finite after the first finite gradient, and after the second the
     hook's result and residual equal a plain-torch computation from the residual it started from
-    (:func:`_two_hop_mirror_ref`), bit for bit."""
+    (:func:`_mirror_ref`), bit for bit."""
     from flcomm.codecs import get_codec
     from flcomm.fsdp.fsdp2 import ReplicateAllReduceHook
 
@@ -722,7 +712,7 @@ def test_hook_residual_is_finite_again_after_an_inf_gradient():
     out = grads[2].clone()
     hook(out)
     # NOTE: on CPU: the torch ops the CPU kernels are checked against bit for bit
-    ref_out, ref_r = _two_hop_mirror_ref(grads[2].cpu(), r_before.cpu(), codec.fmt, codec.block_size)
+    ref_out, ref_r = _mirror_ref(grads[2].cpu(), r_before.cpu(), codec.fmt, codec.block_size)
     got_r, got_out = hook.residual.cpu(), out.cpu()
     figure("test_hook_residual_is_finite_again_after_an_inf_gradient", finite_after_inf=finite_after[0],
            finite_after_next=finite_after[1], residual_max_diff=float((got_r - ref_r).abs().max()),
