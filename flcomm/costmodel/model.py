@@ -44,8 +44,8 @@ ranks, R = G / S replicas, F = P / G groups, N parameters)::
     exposed(fed) = fed without overlap; max(0, fed - overlap_steps * compute) with overlap
 
 ``a`` = all-gathers per step (2: forward and backward with resharding). The FedAvg exchange
-is a compressed two-hop all-reduce whose wire bytes equal a ring all-reduce of the encoded
-buffer, whose size the codec itself reports (``Codec.encoded_nbytes``: none 4 bytes per element,
+is a compressed all-reduce (two hops; one all-gather on two ranks) whose wire bytes equal a ring all-reduce
+of the encoded buffer, whose size the codec itself reports (``Codec.encoded_nbytes``: none 4 bytes per element,
 bf16/fp16 2, int8/fp8 1 plus a 4-byte scale per block). A replicate codec (``Plan.replicate_codec``,
 the driver's ``--replicate-codec``: flcomm's hook all-reduces HSDP's gradient shards over the
 replicas in two hops) sends that encoding instead of ``grad_bytes`` per element.
