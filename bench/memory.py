@@ -12,7 +12,8 @@ mode two figures, measured independently:
 ``on dev`` is the accounting's device part: ``stats`` minus what lives in host memory with
 offload (anchor, own copy, momentum, residuals), i.e. the exchange's device pool (``staging``:
 bucket buffers, the offload scratch, two-hop plans) and the flags, plus ``transient``, the
-largest temporary an exchange allocates there (hop 2's error with error feedback). On a
+largest temporary an exchange allocates there (hop 2's error with error feedback; none on these
+2 ranks, whose exchange is one all-gather). On a
 CPU-only machine host and device are one memory, so this column is the accounting, not a
 measurement: ``held`` checks that the accounting misses no buffer.
 

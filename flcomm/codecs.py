@@ -349,6 +349,6 @@ class TopKCodec(Codec):
         return x.abs()
 
 
-#: the registered codecs an all-reduce reduces in two hops (all but the sparse ones): the choices of
-#: the replicas' gradient all-reduce, which takes a dense codec
+#: the registered dense codecs (all but the sparse ones; an all-reduce reduces them in two hops, or
+#: all-gathers them on two ranks): the choices of the replicas' gradient all-reduce
 DENSE_CODECS: tuple[str, ...] = tuple(n for n in CODECS if not _REGISTRY[n].sparse)

@@ -20,9 +20,9 @@ the device holds at most two buckets (``2 * bucket_mb``) of exchange buffers, al
 2. that slot's staging buffer, plus one scratch buffer of the same size (:meth:`~BucketedAllReduce.scratch`)
    through which ``pack`` / ``unpack`` stage their host pieces and the exchange its residual (one
    bucket's pack, residual and unpack never overlap in time);
-3. the two-hop plan of the codec (and hop 2's error, a temporary, with error feedback);
+3. the codec's plan (two hops: and hop 2's error, a temporary, with error feedback);
 4. buckets are cut to the largest size for which 2 + 3 fit in ``2 * bucket_mb``: codec none
-   keeps about ``bucket_mb`` (less the padding), int8 on 2 ranks 57% of it. The wire then
+   keeps about ``bucket_mb`` (less the padding), int8 + EF 72% of it on 2 ranks, 2/3 on more. The wire then
    carries smaller messages, one at a time: ``bench/memory.py`` reports what that costs.
 
 A :class:`StagingPool` may also hold named buffers of its users (:meth:`StagingPool.buffer`),
@@ -575,7 +575,7 @@ class BucketedAllReduce:
     def _middle(self, job: Job, k: int) -> None:
         slot = self._slot(k)
         if slot.plan is not None:
-            job.stage = f"bucket {k}/{len(self._buckets)}: reduce, re-encode, hop 2"
+            job.stage = f"bucket {k}/{len(self._buckets)}: {slot.plan.middle_stage}"
             slot.plan.reduce_gather()
             self._unstage_residual(slot, self._buckets[k])
 

@@ -24,7 +24,8 @@ rank ends bit-identical; its error feedback is the one encoding's. On the wire e
 ``(W-1)/W * W * E(n)``: with top-k at 2% and 2 bits on 4 ranks, 0.024x of an fp32 ring all-reduce.
 
 On two ranks a dense codec takes that path too (:func:`gathers`): one all-gather sends the same
-bytes as the two hops (``E(n)`` per rank either way), in one collective instead of two, and each
+bytes as the two hops (``E(n)`` per rank either way, to the 16-byte rounding of the scales), in
+one collective instead of two, and each
 value is quantized once instead of twice; the reduce, the re-encode and hop 2's error go away
 (about a quarter of the exchange's host work on two CPU ranks: bench/results/). Where the
 replicas of a sharded exchange gather the result (``replicas`` > 1), two hops stay: hop 2's one
@@ -207,6 +208,8 @@ class TwoHopPlan(_Plan):
     :meth:`reduce_gather` (steps 3-5), :meth:`decode_result` (step 6).
     """
 
+    middle_stage = "reduce, re-encode, hop 2"
+
     def __init__(self, transport: Transport, numel: int, codec: Codec, op: ReduceOp,
                  device: torch.device) -> None:
         super().__init__(transport, numel, codec, op)
@@ -282,6 +285,7 @@ class GatherPlan(_Plan):
     encodings into the tensor. Reusable, one exchange at a time."""
 
     _issues_gather = "encode_scatter"
+    middle_stage = "all-gather in flight"  # NOTE: the bucketed pipeline's name of its middle stage
 
     def __init__(self, transport: Transport, numel: int, codec: Codec, op: ReduceOp,
                  device: torch.device) -> None:
@@ -401,11 +405,11 @@ def _check_inputs(transport: Transport, tensor: Tensor, residual: Tensor | None)
 def compressed_all_reduce(transport: Transport, tensor: Tensor, codec: str | Codec = "int8",
                           op: Any = "avg", residual: Tensor | None = None,
                           async_op: bool = False) -> Tensor | CompressedWork:
-    """All-reduce contiguous fp32 ``tensor`` in place through ``codec`` in two hops (see the
-    module docstring). ``residual`` (fp32, same shape) is the error-feedback state, updated in
-    place. With ``async_op`` returns a :class:`CompressedWork`: on CPU the quantization and the
-    all-to-all are issued now and the rest runs in ``wait()``; on CUDA every stage is enqueued
-    now on the current stream.
+    """All-reduce contiguous fp32 ``tensor`` in place through ``codec`` in two hops, or one
+    all-gather (:func:`gathers`; module docstring). ``residual`` (fp32, same shape) is the
+    error-feedback state, updated in place. With ``async_op`` returns a :class:`CompressedWork`:
+    on CPU the quantization and the first hop are issued now and the rest runs in ``wait()``; on
+    CUDA every stage is enqueued now on the current stream.
 
     Codec ``none`` is the transport's own fp32 all-reduce (nothing to quantize).
     """

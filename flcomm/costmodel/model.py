@@ -48,7 +48,7 @@ is a compressed all-reduce (two hops; one all-gather on two ranks) whose wire by
 of the encoded buffer, whose size the codec itself reports (``Codec.encoded_nbytes``: none 4 bytes per element,
 bf16/fp16 2, int8/fp8 1 plus a 4-byte scale per block). A replicate codec (``Plan.replicate_codec``,
 the driver's ``--replicate-codec``: flcomm's hook all-reduces HSDP's gradient shards over the
-replicas in two hops) sends that encoding instead of ``grad_bytes`` per element.
+replicas, compressed) sends that encoding instead of ``grad_bytes`` per element.
 
 CLI (bandwidths as 400GB/s, 3200Gbit/s, 100gbit, or a bare number in Gbit/s; it prints every
 assumption first, and --recommend needs --memory-gb)::

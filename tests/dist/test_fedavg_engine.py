@@ -74,7 +74,7 @@ def _advances(rank: int, world: int) -> dict:
 
     fm = Topology(world, world, group_size=1, shard_size=1).build(hierarchical=False)
     model = make_model(0, d=64)
-    # int8 + EF in many buckets: every stage (encode, hop 1, reduce, re-encode, hop 2, decode,
+    # int8 + EF in many buckets: every stage (encode, the all-gather of two ranks, decode,
     # outer update) of every bucket has to run for the job to complete
     fed = FedAvg(model, fm, sync_every=1, codec="int8", error_feedback=True, overlap_steps=1,
                  outer="nesterov", bucket_mb=0.002)
