@@ -32,6 +32,24 @@ def round_trip(x: torch.Tensor, name: str, block: int) -> torch.Tensor:
     return x.clone() if name == "none" else format_ref.round_trip(x, name, block)
 
 
+def _padded_inputs(xs: list[torch.Tensor], name: str, block: int,
+                   residuals: list[torch.Tensor] | None) -> tuple[int, list[torch.Tensor]]:
+    """The chunk ``c`` (ceil(n / W) rounded up to whole blocks) and each rank's input plus its
+    residual, zero-padded to ``W * c`` elements."""
+    W, n = len(xs), xs[0].numel()
+    a = _align(name, block)
+    c = -(-n // W)
+    c = -(-c // a) * a
+    ys = []
+    for i, x in enumerate(xs):
+        y = torch.zeros(W * c)
+        y[:n] = x
+        if residuals is not None:
+            y[:n] += residuals[i]
+        ys.append(y)
+    return c, ys
+
+
 def simulate_two_hop(xs: list[torch.Tensor], name: str, op: str, block: int = BLOCK,
                      residuals: list[torch.Tensor] | None = None):
     """Single-process two-hop all-reduce with the formats of tests/common/format_ref.py. Steps: pad to
@@ -41,18 +59,8 @@ def simulate_two_hop(xs: list[torch.Tensor], name: str, op: str, block: int = BL
     new residuals: each rank's hop-1 error plus, on its own chunk, the hop-2 error (x W for
     avg))."""
     W, n = len(xs), xs[0].numel()
-    c = -(-n // W)
-    a = _align(name, block)
-    c = -(-c // a) * a
+    c, ys = _padded_inputs(xs, name, block, residuals)
     P = W * c
-
-    def pad(t):
-        z = torch.zeros(P)
-        z[:n] = t
-        return z
-
-    ys = [pad(x) + (pad(r) if residuals is not None else 0) for x, r in
-          zip(xs, residuals if residuals is not None else xs)]
     deq = []
     for y in ys:
         deq.append(torch.cat([round_trip(y[j * c:(j + 1) * c], name, block) for j in range(W)]))
@@ -76,14 +84,7 @@ def simulate_gather(xs: list[torch.Tensor], name: str, op: str, block: int = BLO
     once; the decoded tensors are summed in rank order (/ W for avg). Returns (result, the same
     result: there is no second quantization, new residuals: each rank's one error)."""
     W, n = len(xs), xs[0].numel()
-    c = -(-n // W)
-    a = _align(name, block)
-    P = W * (-(-c // a) * a)
-    ys = []
-    for i, x in enumerate(xs):
-        y = torch.zeros(P)
-        y[:n] = x + (residuals[i] if residuals is not None else 0)
-        ys.append(y)
+    _, ys = _padded_inputs(xs, name, block, residuals)
     deq = [round_trip(y, name, block) for y in ys]
     out = deq[0].clone()
     for d in deq[1:]:
