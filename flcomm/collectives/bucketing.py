@@ -20,10 +20,10 @@ the device holds at most two buckets (``2 * bucket_mb``) of exchange buffers, al
 2. that slot's staging buffer, plus one scratch buffer of the same size (:meth:`~BucketedAllReduce.scratch`)
    through which ``pack`` / ``unpack`` stage their host pieces and the exchange its residual (one
    bucket's pack, residual and unpack never overlap in time);
-3. the codec's plan (two hops: and hop 2's error, a temporary, with error feedback);
-4. buckets are cut to the largest size for which 2 + 3 fit in ``2 * bucket_mb``: codec none
-   keeps about ``bucket_mb`` (less the padding), int8 + EF 72% of it on 2 ranks, 2/3 on more. The wire then
-   carries smaller messages, one at a time: ``bench/memory.py`` reports what that costs.
+3. the codec's plan (in two hops also hop 2's error, a temporary, with error feedback);
+4. buckets are cut to the largest size for which 2 + 3 fit in ``2 * bucket_mb``: codec none keeps
+   about ``bucket_mb`` (less the padding), int8 + EF 72% of it on 2 ranks, about 2/3 on more. The
+   wire then carries smaller messages, one at a time: ``bench/memory.py`` reports what that costs.
 
 A :class:`StagingPool` may also hold named buffers of its users (:meth:`StagingPool.buffer`),
 and a subclass may stage through buffers of a bucket's slot (:meth:`BucketedAllReduce.slot_buffer`);
@@ -372,8 +372,8 @@ class BucketedAllReduce:
 
     def _device_bytes(self, fill: int, dtype: torch.dtype) -> int:
         """Device bytes an offloaded exchange of one bucket of ``fill`` elements needs: staging
-        buffer and scratch, the plan (two hops: send, receive, accumulator and hop 2's error), the
-        sizes of :meth:`_layout`, :meth:`_slot_flat`, :meth:`scratch` and the plans (measured: :meth:`memory_bytes`)."""
+        buffer, scratch and the plan (two hops: send, receive, accumulator, hop 2's error; one:
+        send, gathered), as :meth:`_slot_flat`, :meth:`scratch` and the plans size them."""
         world, R = self.transport.size, self.replicas
         wire = wire_numel(-(-fill // R), world, self.codec)
         nbytes = 2 * wire * R * torch.empty((), dtype=dtype).element_size()

@@ -25,11 +25,11 @@ rank ends bit-identical; its error feedback is the one encoding's. On the wire e
 
 On two ranks a dense codec takes that path too (:func:`gathers`): one all-gather sends the same
 bytes as the two hops (``E(n)`` per rank either way, to the 16-byte rounding of the scales), in
-one collective instead of two, and each
-value is quantized once instead of twice; the reduce, the re-encode and hop 2's error go away
-(about a quarter of the exchange's host work on two CPU ranks: bench/results/). Where the
-replicas of a sharded exchange gather the result (``replicas`` > 1), two hops stay: hop 2's one
-encoding of the slice is half of the two encodings.
+one collective instead of two, and each value is quantized once instead of twice; the reduce,
+the re-encode and hop 2's error go away (about a quarter of the exchange's host work on two CPU
+ranks: bench/results/). Where the replicas of a sharded exchange gather the result
+(``replicas`` > 1), two hops stay: hop 2's one encoding of the slice is half of the two
+encodings.
 
 Error feedback (``residual``, fp32, same shape as the tensor, kept by the caller across rounds):
 hop 1 uses the fused ``y = x + residual; q = Q(y); residual = y - D(q)``; the owner of chunk ``j``
