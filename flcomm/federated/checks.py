@@ -15,7 +15,8 @@
   shard (R > 1) and, for plain parameters, the whole federation group compare theirs as of the
   sync's start (replicas must be equal at all times, and a sharded exchange makes them equal
   again, which would hide a drift after it).
-* :func:`non_finite_error`: the refusal of a non-finite average, :class:`NonFiniteAverageError`.
+* :func:`or_flags` and :func:`non_finite_error`: the agreement on a non-finite average and its
+  refusal, :class:`NonFiniteAverageError`.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
+    from flcomm.comm.base import Transport
+    from flcomm.federated.exchange import ExchangeResult
     from flcomm.federated.fedavg import FedAvg
     from flcomm.federated.topology import FedMesh, Topology
 
 __all__ = ["NonFiniteAverageError", "ReplicaCheck", "ReplicaMismatchError", "StepOrder", "check_sharding",
-           "non_finite_error", "tensor_hash"]
+           "non_finite_error", "or_flags", "tensor_hash"]
 
 
 class NonFiniteAverageError(FloatingPointError):
@@ -307,7 +310,7 @@ class ReplicaCheck:
         if not self.enabled:
             return
         fed, topo = self.fed, self.fed.topology
-        sync = f"the sync of step {fr.sync_step}" + (f" (fragment {fr.index})" if fed.fragments > 1 else "")
+        sync = f"the sync of {fed._sync_name(fr)}"
         gt, rank = fed.group_transport, fed.rank
         mine = _replica_error(topo, sync, fr.sync_step, *_gather(gt, rank, self._start.pop(fr.index)))
         anchors = fed.overlap and not fed.in_place
@@ -397,6 +400,18 @@ def _fed_group(topo: Topology, rank: int) -> list[int]:
 
 
 # ---------------------------------------------------------------- the non-finite refusal
+def or_flags(wf: Tensor, index: Tensor, flags: Tensor, res: ExchangeResult, transport: Transport) -> None:
+    """``wf`` = the fed group's bad ranks (``flags``, one per rank of the fed group; ``index``:
+    their global ranks) and a last bit for a bucket whose average overflowed (``res.bad``),
+    OR-ed over the federation group by ``transport``: what :func:`non_finite_error` reads. On
+    the device (no host read)."""
+    wf.zero_()
+    wf.index_copy_(0, index, flags.clamp(max=1))
+    if res.bad is not None:
+        wf[-1] = res.bad.any()
+    transport.all_reduce(wf, op="max")
+
+
 def non_finite_error(world_flags: Tensor, topology: Topology, fed_ranks: list[int], what: str) -> NonFiniteAverageError:
     """The refusal of a non-finite average: ``world_flags`` marks the ranks (world-wide) that
     sent a non-finite delta, its last entry buckets whose average overflowed."""

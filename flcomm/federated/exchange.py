@@ -48,7 +48,6 @@ fragments), through a scratch bucket of its own in the pool (up to one more buck
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -76,9 +75,9 @@ def replicate_transport(mesh: FedMesh, sharded: bool | None) -> Transport | None
     when R > 1 (with R = 1 there is nothing to shard).
 
     Collective: every rank calls it with the same ``sharded``. The first call on a mesh creates a
-    private process group per replicate-dim group (with the mesh's timeout), counting into the
-    mesh's stats on the replicate dim's tier; later calls reuse it (the exchanges of one engine
-    lane run one after another, as they share the fed group).
+    private transport per replicate-dim group (:meth:`FedMesh.private_transport`, with the mesh's
+    timeout), counting into the mesh's stats on the replicate dim's tier; later calls reuse it
+    (the exchanges of one engine lane run one after another, as they share the fed group).
 
     NOTE: not the mesh's own replicate group: HSDP all-reduces gradients on that one from the
     training loop, and an overlapped exchange issuing there from the engine's thread would
@@ -87,12 +86,7 @@ def replicate_transport(mesh: FedMesh, sharded: bool | None) -> Transport | None
     topo = mesh.topology
     if sharded is False or topo.num_replicas == 1 or not topo.federated:
         return None
-    if mesh not in _REPLICATE:
-        _REPLICATE[mesh] = mesh.private_transport("replicate_exchange", "replicate")
-    return _REPLICATE[mesh]
-
-
-_REPLICATE: weakref.WeakKeyDictionary[FedMesh, Transport] = weakref.WeakKeyDictionary()
+    return mesh.private_transport("replicate_exchange", "replicate")
 
 
 @dataclass

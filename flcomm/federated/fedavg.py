@@ -23,7 +23,8 @@ job of the progress engine (:mod:`flcomm.comm.engine`), bucket by bucket
    (averaged over the fed group, uncompressed, blocking) or ``reset`` (cleared, as if new).
 3. All-reduce the flags over the fed group; if any rank's shard is not finite, no rank of the
    fed group applies any bucket (the flags stay on the device: the buckets are exchanged and
-   left unapplied, so the job reads nothing on the host).
+   left unapplied, so the job reads nothing on the host). After the buckets, the job ORs the
+   fed group's flags and an overflow bit over the federation group (the refusal below).
 4. Per bucket: pack ``delta = local - anchor`` (or ``own``), average it over the fed group through
    the codec (error feedback keeps what compression dropped for the next round), and apply the
    outer update to the anchor: ``avg``: ``anchor += mean(delta)``; ``nesterov`` (DiLoCo):
@@ -51,8 +52,10 @@ With ``overlap_steps > E / K`` a fragment's apply meets another fragment's excha
 Memory: :mod:`flcomm.federated.memory` (:meth:`FedAvg.memory_stats`).
 
 An average with NaN/Inf, or built from a non-finite delta (which a lossy codec may hide), is
-refused: at the apply, the bad ranks (and a bit for buckets whose average overflowed) are OR-ed
-over the federation group, so every rank of every group raises the same
+refused: the bad ranks (and a bit for buckets whose average overflowed) are OR-ed over the
+federation group (by the job, on a private group transport, so the loop runs no collective at
+the apply; an elastic federation's redone rounds OR them at the apply), so every rank of every
+group raises the same
 :class:`~flcomm.federated.checks.NonFiniteAverageError`; non-finite error-feedback residuals are
 zeroed. A fed group that saw a non-finite delta leaves its weights and anchor unchanged; other fed groups may have
 applied theirs, so the error is fatal (restore a checkpoint). Only floating tensors are averaged
@@ -81,7 +84,7 @@ from torch import Tensor, nn
 from flcomm.collectives.bucketing import StagingPool, arena, bucket_dtype, span
 from flcomm.comm.engine import Job, get_engine
 from flcomm.federated.autotune import AutoOverlap
-from flcomm.federated.checks import ReplicaCheck, StepOrder, check_sharding, non_finite_error
+from flcomm.federated.checks import ReplicaCheck, StepOrder, check_sharding, non_finite_error, or_flags
 from flcomm.federated.config import AUTO, RESIDUAL_DTYPES, FedAvgConfig, check_inputs, one_device
 from flcomm.federated.elastic import snapshot
 from flcomm.federated.exchange import DeltaExchange, ExchangeResult, replicate_transport
@@ -97,6 +100,7 @@ if TYPE_CHECKING:
     from flcomm.federated.mesh import FedMesh
 
 _log = logging.getLogger(__name__)
+AGREE_STAGE = "non-finite flags agreement over the group"  # the job's stage that talks over the group
 LATE_EXCHANGES = 3  # overlap: this many exchanges in a row still running when due make FedAvg warn
 
 
@@ -111,6 +115,7 @@ class _Fragment:
     xidx: list[int]  # the non-empty ones, exchanged
     exchange: DeltaExchange | None
     flags: Tensor
+    world_flags: Tensor  # the world's bad ranks and an overflow bit, OR-ed over the federation group
     job: Job | None = None
     apply_at: int = 0
     sync_step: int = 0
@@ -164,27 +169,22 @@ class FedAvg:
             cfg.check_elastic()
         self.federation, self.fragments, self.offload = federation, cfg.fragments, cfg.offload
         self.residual_dtype = RESIDUAL_DTYPES[cfg.residual_dtype]
-        self.codec_spec = cfg.make_codec()
-        self.codec = cfg.codec
-        self.outer_kind = Outer.parse(cfg.outer)
-        self.inner_state = InnerState.parse(cfg.inner_state)
+        self.codec_spec, self.codec = cfg.make_codec(), cfg.codec
+        self.outer_kind, self.inner_state = Outer.parse(cfg.outer), InnerState.parse(cfg.inner_state)
         check_inputs(mesh, optimizer, self.inner_state)
         self.model, self.mesh, self.optimizer, self.sync_every = model, mesh, optimizer, cfg.sync_every
         self.error_feedback, self.overlap = cfg.error_feedback, cfg.overlap
         # NOTE: "auto" measures with the largest k that keeps fragments apart, then settles
         self.auto_overlap = AutoOverlap(cfg.sync_every // cfg.fragments) if cfg.overlap_steps == AUTO else None
-        self.bucket_mb = cfg.bucket_mb
-        self.sharded_exchange = cfg.sharded_exchange
+        self.bucket_mb, self.sharded_exchange = cfg.bucket_mb, cfg.sharded_exchange
         #: the settings saved with the state (:meth:`FedAvgConfig.to_dict`)
         self.checkpoint_config = cfg.to_dict()
         self.in_place = self.checkpoint_config["in_place"]
-        self.topology = mesh.topology
-        self.federated = self.topology.federated
-        self.rank = mesh.rank
+        self.topology, self.federated, self.rank = mesh.topology, mesh.topology.federated, mesh.rank
         self.steps = self.num_syncs = 0
         self._exposure = ExposedTime(events=False)
         self._frags: list[_Fragment] = []
-        self._warned_slow = False
+        self._warned_slow = False  # NOTE: the late-exchange warning, once
         self._outer = OuterOptimizer(self.outer_kind, cfg.outer_lr, cfg.outer_momentum)
         self.kind, self.slots = collect_slots(model)
         check_sharding(model, mesh, self.kind, replicated)
@@ -230,6 +230,9 @@ class FedAvg:
             self.fed_ranks = list(mesh.group_ranks["fed"])
             self.transport = mesh.transport("fed")
         self.group_transport = mesh.transport("group")
+        # NOTE: the job's refusal flags agreement (not the loop's group: it issues from the engine's
+        # thread); an elastic federation's rounds may be redone, so they agree at the apply instead
+        self._agree = mesh.private_transport("flags_agree", "group") if self.federation is None else None
         if self.transport is not None:
             check_same_shards(self.slots, self.transport, self.fed_ranks)
         locals_ = [s.local for s in self.slots]
@@ -239,9 +242,6 @@ class FedAvg:
         # one-hot int32 vector over the fed group): a lossy codec may turn NaN/Inf into finite
         # garbage, so the averaged delta alone cannot be trusted to show it.
         self._fed_index = self.fed_ranks.index(self.rank)
-        # NOTE: bad ranks (world-wide) and an overflow bit, OR-ed over the federation group at
-        # the apply, so every rank of every group refuses with the same message.
-        self._world_flags = torch.zeros(self.topology.world_size + 1, dtype=torch.int32, device=self.device)
         if sync_init and self.transport is not None:
             broadcast(self.transport, [s.local for s in self.slots], 0)  # NOTE: all start from group 0's model
             # NOTE: a one-to-all broadcast ends at different times on different groups (seconds on a
@@ -275,8 +275,9 @@ class FedAvg:
             # peers hold the same shard coordinates, so they leave out the same ones.
             x = [i for i in part if locals_[i].numel() > 0]
             flags = torch.zeros(len(self.fed_ranks), dtype=torch.int32, device=self.device)
+            wf = torch.zeros(self.topology.world_size + 1, dtype=torch.int32, device=self.device)
             own_span = span([self._own[i] for i in part]) if self._own is not None and self.offload is None else None
-            self._frags.append(_Fragment(f, f * self.sync_every // self.fragments, part, x, None, flags,
+            self._frags.append(_Fragment(f, f * self.sync_every // self.fragments, part, x, None, flags, wf,
                                          own_span=own_span))
         if self.transport is not None:
             self._build_exchanges()
@@ -518,24 +519,28 @@ class FedAvg:
         """Queue fragment ``fr``'s exchange (step 3-4) as a job of the progress engine."""
         xlocals = [self.slots[i].local for i in fr.xidx]
         if self._engine.stream is not None:
-            for t in [fr.flags, *xlocals]:
+            for t in [fr.flags, fr.world_flags, *xlocals]:
                 t.record_stream(self._engine.stream)
         exchange, flags, transport, ready = fr.exchange, fr.flags, self.transport, fr.own_ready
+        agree, wf, index = self._agree, fr.world_flags, self._fed_rank_index
 
         def run(job: Job) -> ExchangeResult:
             job.stage = "non-finite flags all-reduce"
             transport.all_reduce(flags, op="sum")
-            if exchange is None:
-                return ExchangeResult()
-            if ready is not None:  # NOTE: offloaded on CUDA: own is written by asynchronous copies
-                job.stage = "copy of the local shards into own"
-                ready.synchronize()
-            # NOTE: every rank of the fed group sees the same flags: none applies a bucket; on
-            # the device, so the job never waits on the host between its collectives
-            return exchange.run(job, xlocals, skip=flags.any())
+            res = ExchangeResult()
+            if exchange is not None:
+                if ready is not None:  # NOTE: offloaded on CUDA: own is written by asynchronous copies
+                    job.stage = "copy of the local shards into own"
+                    ready.synchronize()
+                # NOTE: every rank of the fed group sees the same flags: none applies a bucket; on
+                # the device, so the job never waits on the host between its collectives
+                res = exchange.run(job, xlocals, skip=flags.any())
+            if agree is not None:
+                job.stage = AGREE_STAGE
+                or_flags(wf, index, flags, res, agree)
+            return res
 
-        name = f"FedAvg exchange of step {fr.sync_step}" + (f" (fragment {fr.index})" if self.fragments > 1 else "")
-        return self._engine.submit(run, name)
+        return self._engine.submit(run, f"FedAvg exchange of {self._sync_name(fr)}")
 
     @torch.no_grad()
     def _apply(self, fr: _Fragment, on_time: bool = False) -> None:
@@ -556,24 +561,19 @@ class FedAvg:
         window = self._exposure.begin()
         nb = fr.exchange.bar.num_buckets if fr.exchange is not None else 0
         if self.federation is None:
-            res: ExchangeResult = job.wait(self.mesh.timeout * (2 * nb + 2))
+            res: ExchangeResult = job.wait(self.mesh.timeout * (2 * nb + 3))
         else:
             res = self._settle(fr, job, nb)
-        fr.applied += 1
-        # NOTE: the flags stay on the device until the one host read below (after the window)
-        wf = self._world_flags
-        wf.zero_()
-        wf.index_copy_(0, self._fed_rank_index, fr.flags.clamp(max=1))
-        if res.bad is not None:
-            if res.bad.is_cuda:
+            if res.bad is not None and res.bad.is_cuda:
                 res.bad.record_stream(torch.cuda.current_stream(res.bad.device))  # NOTE: made on the engine's stream
-            wf[-1] = res.bad.any()
-        self.group_transport.all_reduce(wf, op="max")
+            or_flags(fr.world_flags, self._fed_rank_index, fr.flags, res, self.group_transport)
+        fr.applied += 1
+        wf = fr.world_flags  # NOTE: on the device until this one host read (after the window)
         self._exposure.end(window)
         if bool(wf.any()):
             if fr.exchange is not None:
                 fr.exchange.sanitize()
-            self._refuse(wf, fr)
+            raise non_finite_error(wf, self.topology, self.fed_ranks, f"FedAvg sync of {self._sync_name(fr)}")
         if self._own is not None and fr.exchange is not None:
             # NOTE: piece by piece along the buckets: no full-size copy of an offloaded own copy
             fr.exchange.add_own([self.slots[i].local for i in fr.xidx])
@@ -583,6 +583,10 @@ class FedAvg:
             proposal = self.auto_overlap.sample(job.seconds())
             if proposal is not None:
                 self._settle_overlap(proposal)
+
+    def _sync_name(self, fr: _Fragment) -> str:
+        """``step N`` of fragment ``fr``'s sync, and the fragment when there are several."""
+        return f"step {fr.sync_step}" + (f" (fragment {fr.index})" if self.fragments > 1 else "")
 
     def _settle_overlap(self, proposal: int) -> None:
         """``overlap_steps="auto"``: the largest proposal of the federation group, from now on
@@ -594,7 +598,3 @@ class FedAvg:
         auto.settle(int(k.item()))
         _log.info("FedAvg: overlap_steps='auto' chose k=%d at step %d (exchange %.3f s, step %.3f s, k_max %d)",
                   auto.k, self.steps, auto.exchange_s or 0.0, auto.step_s or 0.0, auto.k_max)
-
-    def _refuse(self, world_flags: Tensor, fr: _Fragment) -> None:
-        what = f"FedAvg sync of step {fr.sync_step}" + (f" (fragment {fr.index})" if self.fragments > 1 else "")
-        raise non_finite_error(world_flags, self.topology, self.fed_ranks, what)

@@ -40,7 +40,7 @@ def memory_stats(fed: FedAvg) -> dict[str, int]:
         out["anchor"] = nbytes(fed._anchor)
         out["own"] = nbytes(fed._own)
         out["momentum"] = nbytes(fed._outer.buffers)
-        out["flags"] = nbytes([fr.flags for fr in fed._frags] + [fed._world_flags])
+        out["flags"] = nbytes([t for fr in fed._frags for t in (fr.flags, fr.world_flags)])
         exchanges = [fr.exchange for fr in fed._frags if fr.exchange is not None]
         for i, ex in enumerate(exchanges):
             mem = ex.memory_bytes()

@@ -114,6 +114,7 @@ class FedMesh:
             torch.tensor(mesh, dtype=torch.int), mesh_dim_names=dims)
         self.groups["group"] = self.new_groups(topo.dim_groups("group"), "group")
         self._native: dict[str, NcclTransport] = {}
+        self._private: dict[str, tuple[str, Transport]] = {}  # name -> (dim, transport)
         tiers = {d: topo.dim_groups(d) for d in (*dims, "group")}
         if hierarchical:
             for base in ("shard", "group"):
@@ -182,17 +183,25 @@ class FedMesh:
         return [self._own.index(r) for r in ranks] if self.group_world else list(ranks)
 
     def private_transport(self, name: str, dim: str) -> Transport:
-        """A new transport per group of ``dim`` (this rank's returned), recorded as ``name``:
-        for collectives that must not interleave with the dim's own (collective: every rank calls
-        it, in the same order). A process group, or a split of the native root."""
+        """A transport per group of ``dim`` (this rank's returned), of its own, named ``name``:
+        for collectives that must not interleave with the dim's own, e.g. those a job of the
+        progress engine issues from its thread. A process group, or a split of the native root.
+        Collective the first time a name is asked for (every rank asks, in the same order); later
+        calls return the same transport (the jobs of one engine lane run one after another)."""
+        if name in self._private:
+            if self._private[name][0] != dim:
+                raise ValueError(f"private transport {name!r} is over dim {self._private[name][0]!r}, not {dim!r}")
+            return self._private[name][1]
         if self.transport_kind is TransportKind.NATIVE:
-            t = self._split(name, self.topology.dim_groups(dim))
+            t: Transport | None = self._split(name, self.topology.dim_groups(dim))
             assert t is not None  # NOTE: every rank is in one group of every dim
-            return t
-        from flcomm.comm.torch_pg import TorchTransport
+        else:
+            from flcomm.comm.torch_pg import TorchTransport
 
-        mine = self.new_groups(self.topology.dim_groups(dim), name)
-        return TorchTransport(mine, self.tier(name), self.stats, self.timeout)
+            mine = self.new_groups(self.topology.dim_groups(dim), name)
+            t = TorchTransport(mine, self.tier(name), self.stats, self.timeout)
+        self._private[name] = (dim, t)
+        return t
 
     def close(self) -> None:
         """Free the native communicators (the splits, then the root); the process groups are

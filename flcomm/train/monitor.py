@@ -281,6 +281,8 @@ class Monitor:
         self.step, self.phase = 0, "start"
         self.phase_t = time.time()
         self.detail: tuple[str, str] | None = None  # the collective running inside the phase (at())
+        #: a failed job's stage (``EngineError.stage``) -> the group it talks over, if not the phase's
+        self.stage_groups: dict[str, str] = {}
         self.fault = Fault.from_env()
         self._host = socket.gethostname()
         self.poison: Callable[[], None] | None = None  # what the "nan" fault does (the driver sets it)
@@ -340,8 +342,10 @@ class Monitor:
         group and ranks, culprit, log path)."""
         what = PHASES.get(self.phase, (self.phase, None))[0]
         gname, granks = self.group_of(self.phase)
-        if self.detail is not None:
-            what, gname = f"{what} ({self.detail[0]})", self.detail[1]
+        stage = getattr(exc, "stage", None)
+        detail = self.detail or ((stage, self.stage_groups[stage]) if stage in self.stage_groups else None)
+        if detail is not None:
+            what, gname = f"{what} ({detail[0]})", detail[1]
             granks = self.groups.get(gname, granks)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         msg = (f"rank {self.rank}: step {self.step}, phase {what}, group {gname!r} (ranks {granks}): "

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from flcomm.federated.fedavg import FedAvg
+from flcomm.federated.fedavg import AGREE_STAGE, FedAvg
 from flcomm.federated.topology import Topology
 from flcomm.train import checkpoint as ckpt
 from flcomm.train.config import TrainConfig, resolve_topology
@@ -289,8 +289,10 @@ def build_run(cfg: TrainConfig, monitor: Monitor, store: Any = None) -> Run:
               federation=federation)
     monitor.poison = lambda: _poison(model)
     if fed is not None and fed.federated:
-        # NOTE: FedAvg agrees inside the group too (the refusal flags): a failure there names that group
+        # NOTE: FedAvg agrees inside the group too (the refusal flags, at the apply or in the
+        # exchange's job; the overlap choice): a failure there names that group
         fed.group_transport = monitor.noting(fed.group_transport, "in-group all-reduce", "group")
+        monitor.stage_groups[AGREE_STAGE] = "group"
     if cfg.resume or cfg.rejoin:
         _resume(run)
     if cfg.rejoin:

@@ -73,6 +73,10 @@ def _exchange_worker(rank: int, world: int) -> dict:
         FedAvgConfig(sync_every=2, sharded_exchange="yes")
     rep = replicate_transport(fm, None)
     assert rep.size == R and rep.tier.value == "intra_node"
+    # a private transport is made once per name: the engine's jobs share it, in their order
+    assert replicate_transport(fm, True) is rep and fm.private_transport("replicate_exchange", "replicate") is rep
+    with pytest.raises(ValueError, match="'replicate_exchange' is over dim 'replicate', not 'group'"):
+        fm.private_transport("replicate_exchange", "group")
     out: dict = {}
     for codec, ef in (("none", False), ("int8", True), ("fp8", False)):
         plain, plain_loc, plain_bytes = _exchange(fm, codec, ef, False, rep)

@@ -135,6 +135,22 @@ def test_a_noted_transport_names_the_collective_and_its_group(tmp_path):
     assert m.detail is None
 
 
+def test_a_failed_job_stage_names_the_group_it_talks_over():
+    """FedAvg's exchange job ORs the refusal flags over the federation group: a failure in that
+    stage names the group, not the phase's fed group; another stage keeps the phase's."""
+    from flcomm.comm.engine import EngineError
+    from flcomm.federated.fedavg import AGREE_STAGE
+
+    m = Monitor(None, 0, 4)
+    m.set_groups({"group": [0, 1], "fed": [0, 2]})
+    m.stage_groups[AGREE_STAGE] = "group"
+    m.enter(4, "fedavg")
+    msg = m.fail(EngineError("rank 0: FedAvg exchange failed", 0, "FedAvg exchange of step 4", AGREE_STAGE))
+    assert msg.startswith(f"rank 0: step 4, phase FedAvg exchange ({AGREE_STAGE}), group 'group' (ranks [0, 1])"), msg
+    other = m.fail(EngineError("rank 0: FedAvg exchange failed", 0, "FedAvg exchange of step 4", "bucket 2"))
+    assert other.startswith("rank 0: step 4, phase FedAvg exchange, group 'fed' (ranks [0, 2])"), other
+
+
 def test_a_peer_whose_clock_lags_is_not_stale_while_it_beats(tmp_path, monkeypatch):
     """Staleness is judged by this rank's clock (how long a peer's ``alive`` stayed unchanged),
     not by comparing two hosts' clocks: a peer 100 s behind that beats is answering."""
