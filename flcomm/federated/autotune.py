@@ -7,9 +7,9 @@ point, on the CPU the job's run time) against the steps that ran meanwhile (the 
 between ``FedAvg.step()`` calls). The first exchange is left out: it carries one-time costs
 (staging buffers, codec plans, the transports' first use). After :data:`SAMPLES` more, a rank
 proposes ``ceil(MARGIN * exchange / step)`` clamped to ``[1, k_max]``; FedAvg then takes the
-largest proposal of the world (a max over the federation group and over the fed group), so
-every rank applies at the same step, and keeps it (:meth:`AutoOverlap.settle`), logs it once,
-and saves it with its state.
+largest proposal of the federation group (a max over the group), so every rank of a group
+applies at the same step (groups need not agree: each applies its own copy of the average), and
+keeps it (:meth:`AutoOverlap.settle`), logs it once, and saves it with its state.
 """
 
 from __future__ import annotations
