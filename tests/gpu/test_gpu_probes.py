@@ -321,6 +321,9 @@ class OneProcessMesh:
     def transport(self, name: str) -> Transport:
         return self._t[name]
 
+    def private_transport(self, name: str, dim: str) -> Transport:
+        return self._t[dim]  # NOTE: the one-rank group has nothing to interleave with
+
     def global_ranks(self, ranks):
         return list(ranks)
 
