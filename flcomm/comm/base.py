@@ -266,6 +266,9 @@ class Transport(ABC):
     name: str = "transport"
     # True where a handle's wait() without a timeout is stream-ordered (torch's NCCL work)
     _stream_wait: bool = False
+    #: what ended this transport's communicator, where a watchdog watches it
+    #: (:mod:`flcomm.comm.watchdog`: a CommFailure); None while it is healthy
+    failure: Exception | None = None
 
     def __init__(self, rank: int, size: int, tier: LinkTier, stats: CommStats | None = None,
                  timeout: timedelta = DEFAULT_TIMEOUT) -> None:
@@ -328,6 +331,18 @@ class Transport(ABC):
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+    @property
+    def stream_ordered(self) -> bool:
+        """Whether ``wait()`` only orders the current stream after the work (torch's NCCL, the
+        native transport by default): a host wait on a job then bounds its issue, not the wire."""
+        return self._stream_wait
+
+    def raise_if_failed(self, what: str) -> None:
+        """Raise :attr:`failure` (the watchdog aborted the communicator: what its collectives
+        left is undefined), as a RuntimeError naming ``what`` was waited for; else nothing."""
+        if self.failure is not None:
+            raise RuntimeError(f"{what}: {self.failure}") from self.failure
 
     # ---- helpers ----
     def _check_op(self, op: ReduceOp, t: Tensor) -> None:

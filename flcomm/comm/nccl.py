@@ -1,9 +1,12 @@
 """Transport over flcomm's native NCCL communicator (``flcomm._C.NcclComm``, csrc/nccl_comm.h).
 
-NCCL is called directly, on the caller's current CUDA stream, with a timeout on everything that
-waits for peers: a peer that never joins an init or a collective makes ``wait`` abort the
-communicator (``ncclCommAbort``) and raise ``flcomm._C.NcclTimeoutError`` (a TimeoutError)
-instead of hanging.
+NCCL is called directly, on the caller's current CUDA stream. What bounds a wait for peers:
+  - init, split and destroy, and a blocking ``wait``: their own timeout; past it the communicator
+    is aborted (``ncclCommAbort``) and ``flcomm._C.NcclTimeoutError`` (a TimeoutError) raised;
+  - a stream-ordered wait (the default) has no bound of its own, as NCCL's: the watchdog
+    (:mod:`flcomm.comm.watchdog`) gives every launch a deadline (the timeout), aborts a
+    communicator whose work is late or failed, and sets the transport's ``failure``, which its
+    users check (``raise_if_failed``) before trusting a result.
 
 Creating one is collective over a torch.distributed group::
 
@@ -45,6 +48,7 @@ import torch
 from torch import Tensor
 
 from flcomm import _native
+from flcomm.comm import watchdog
 from flcomm.comm.base import DEFAULT_TIMEOUT, CommStats, LinkTier, ReduceOp, Transport, Work
 
 if TYPE_CHECKING:
@@ -174,6 +178,11 @@ class NcclTransport(Transport):
         #: them (a FedMesh's splits); None otherwise
         self.ranks: list[int] | None = None
         self._device = device if device is not None else _comm_device(comm)
+        # NOTE: stream-ordered waits leave the host free, so the hierarchy runs inline (N3)
+        self._stream_wait = not blocking_wait
+        self.failure: Exception | None = None
+        self._watched = watchdog.enabled()
+        self._deliberate = False  # aborted or closed by its owner: not a failure
 
     @classmethod
     def from_group(cls, group: dist.ProcessGroup | None = None, tier: LinkTier | str = LinkTier.INTRA_NODE,
@@ -196,8 +205,7 @@ class NcclTransport(Transport):
             index = default_device(group) if device is None else _device_index(device)
         uid = exchange_unique_id(group, timeout)
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        comm = library().NcclComm(uid, size, rank, index, _seconds(timeout))
-        return cls(comm, tier, stats, timeout, blocking_wait)
+        return cls(new_comm(uid, size, rank, index, timeout), tier, stats, timeout, blocking_wait)
 
     def split(self, color: int, key: int | None = None, tier: LinkTier | str | None = None, *,
               max_ctas: int | None = None, cta_policy: int | None = None) -> NcclTransport | None:
@@ -221,11 +229,15 @@ class NcclTransport(Transport):
 
     def close(self) -> None:
         """Flush and free the communicator (ncclCommFinalize + ncclCommDestroy)."""
+        self._deliberate = True
+        watchdog.get_watchdog().forget(self)
         self.comm.destroy()
 
     def abort(self) -> None:
         """Drop outstanding work and free the communicator (ncclCommAbort). Returns once NCCL has
         freed it, after the work queued ahead of its kernels; releases the GIL meanwhile."""
+        self._deliberate = True
+        watchdog.get_watchdog().forget(self)
         self.comm.abort()
 
     @contextmanager
@@ -253,7 +265,9 @@ class NcclTransport(Transport):
             except Exception:  # noqa: BLE001 - NOTE: the block's error is the one to report; the
                 pass           # thread has left NCCL's group either way (group_end always ends it)
             raise
-        self.comm.group_end()
+        end = self.comm.group_end()
+        if end is not None and self._watched:
+            watchdog.get_watchdog().watch(self, end, "grouped launch")
 
     def barrier(self) -> None:
         """Blocks the host until every rank has reached it (bounded by the timeout), whatever
@@ -263,6 +277,7 @@ class NcclTransport(Transport):
 
     # ---- the protocol: device checks first, so nothing is issued or counted for bad input ----
     def _check_device(self, async_op: bool = True, **tensors: Tensor) -> None:
+        self.raise_if_failed(f"{type(self).__name__} ({self.tier.value})")  # NOTE: nothing on an aborted comm
         if not async_op and open_group_depth():
             raise RuntimeError(f"{type(self).__name__}: a blocking collective inside an open NCCL group would "
                                "wait for a launch that happens only at the group's end; issue it with "
@@ -294,23 +309,42 @@ class NcclTransport(Transport):
         return super().broadcast(tensor, src, async_op)
 
     # ---- implementations: one native call each ----
-    def _handle(self, work: Any) -> _NativeHandle:
+    def _handle(self, work: Any, op: str) -> _NativeHandle:
+        if self._watched and not open_group_depth():  # NOTE: a group's works: its end's (group())
+            watchdog.get_watchdog().watch(self, work, op)
         return _NativeHandle(work, self.blocking_wait)
 
     def _all_reduce(self, tensor: Tensor, op: ReduceOp) -> Any:
-        return self._handle(self.comm.all_reduce(tensor, op.value))
+        return self._handle(self.comm.all_reduce(tensor, op.value), "all_reduce")
 
     def _reduce_scatter(self, output: Tensor, input: Tensor, op: ReduceOp) -> Any:
-        return self._handle(self.comm.reduce_scatter(output, input, op.value))
+        return self._handle(self.comm.reduce_scatter(output, input, op.value), "reduce_scatter")
 
     def _all_gather(self, output: Tensor, input: Tensor) -> Any:
-        return self._handle(self.comm.all_gather(output, input))
+        return self._handle(self.comm.all_gather(output, input), "all_gather")
 
     def _all_to_all(self, output: Tensor, input: Tensor) -> Any:
-        return self._handle(self.comm.all_to_all(output, input))
+        return self._handle(self.comm.all_to_all(output, input), "all_to_all")
 
     def _broadcast(self, tensor: Tensor, src: int) -> Any:
-        return self._handle(self.comm.broadcast(tensor, src))
+        return self._handle(self.comm.broadcast(tensor, src), "broadcast")
+
+
+def check_environment() -> None:
+    """ValueError when the environment overrides what flcomm's communicators rely on:
+    ``NCCL_COMM_BLOCKING=1`` makes init and split block with no bound (it overrides
+    ``ncclConfig_t.blocking``), so a peer that never joins would hang them (N9)."""
+    raw = os.environ.get("NCCL_COMM_BLOCKING", "").strip()
+    if raw not in ("", "0"):
+        raise ValueError(f"NCCL_COMM_BLOCKING={raw} makes NCCL's init and split block with no bound; flcomm's "
+                         "communicators need it unset (or 0): they bound every wait by the mesh's timeout")
+
+
+def new_comm(unique_id: bytes, size: int, rank: int, device: int, timeout: timedelta | float) -> Any:
+    """``NcclComm(unique_id, size, rank, device, timeout)`` of the library, after
+    :func:`check_environment`: every native root communicator is made here."""
+    check_environment()
+    return library().NcclComm(unique_id, size, rank, device, _seconds(timeout))
 
 
 def _comm_device(comm: Any) -> torch.device:

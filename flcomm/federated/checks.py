@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from flcomm.federated.topology import FedMesh, Topology
 
 __all__ = ["NonFiniteAverageError", "ReplicaCheck", "ReplicaMismatchError", "StepOrder", "check_sharding",
-           "non_finite_error", "or_flags", "tensor_hash"]
+           "non_finite_error", "or_flags", "own_flags", "read_refusal", "tensor_hash"]
 
 
 class NonFiniteAverageError(FloatingPointError):
@@ -410,6 +410,30 @@ def or_flags(wf: Tensor, index: Tensor, flags: Tensor, res: ExchangeResult, tran
     if res.bad is not None:
         wf[-1] = res.bad.any()
     transport.all_reduce(wf, op="max")
+
+
+def own_flags(n: int, index: int, own: Tensor | None, device: torch.device) -> Tensor:
+    """A fed group's refusal flags (``n`` ranks) before their all-reduce: zeros, but this rank's
+    own non-finite flag ``own`` (None: finite) at ``index``. An elastic redo starts from it, so
+    the redone round still refuses this rank's non-finite delta (N5).
+
+    NOTE: who sent a non-finite delta travels in its own tiny uncompressed all-reduce (a one-hot
+    int32 vector over the fed group): a lossy codec may turn NaN/Inf into finite garbage, so the
+    averaged delta alone cannot be trusted to show it."""
+    flags = torch.zeros(n, dtype=torch.int32, device=device)
+    if own is not None:
+        flags[index] = own
+    return flags
+
+
+def read_refusal(world_flags: Tensor, transports: list[Transport], what: str) -> bool:
+    """The one host read of an apply: whether ``world_flags`` refuses the average. First every
+    transport's watchdog verdict (``raise_if_failed``): after an abort the flags are undefined,
+    and must not be read as a refusal."""
+    bad = bool(world_flags.any())  # NOTE: on a device this waits for the kernels (ended by an abort)
+    for t in transports:
+        t.raise_if_failed(what)
+    return bad
 
 
 def non_finite_error(world_flags: Tensor, topology: Topology, fed_ranks: list[int], what: str) -> NonFiniteAverageError:

@@ -151,6 +151,8 @@ class Federation:
         min_groups: fewer live groups end the job.
         stats: where the transports count their bytes (the mesh's).
         rejoin_mode: this rank's group is restarting: call :meth:`rejoin` before any exchange.
+        exchange_max_ctas, exchange_cta_policy: the native exchange communicator's CTA cap and
+            NCCL CTA policy value (the mesh's; None: NCCL's default), for every generation.
 
     Attributes:
         membership: the current :class:`Membership`.
@@ -166,6 +168,8 @@ class Federation:
     min_groups: int = 1
     stats: CommStats | None = None
     rejoin_mode: bool = False
+    exchange_max_ctas: int | None = EXCHANGE_MAX_CTAS
+    exchange_cta_policy: int | None = None
     membership: Membership = field(init=False)
     events: list[dict[str, Any]] = field(default_factory=list, init=False)
 
@@ -306,15 +310,24 @@ class Federation:
         # NOTE: a rank whose peer left a collective (after an error of its own) may wait in it
         # until the timeout: once another rank decided the round, it stops waiting and leaves
         # the job behind on the old generation's lane
+        # NOTE: done means done on the device (the job's end event), not only issued: with
+        # stream-ordered waits a host is done while the collectives still run, and a committed
+        # generation may then be retired (aborted) under them (N1). The native transport's
+        # watchdog ends a round hung on a lost peer (its transport's failure)
         deadline, poll = time.monotonic() + timeout_s, Poller()
-        while not job.host_done(poll.next()) and not self.decided(name) and time.monotonic() < deadline:
+        while (not (job.host_done(poll.next()) and job.is_completed()) and not self.decided(name)
+               and time.monotonic() < deadline and self._failure() is None):
             pass
-        if job.host_done():
+        if job.host_done() and job.is_completed() and self._failure() is None:
             try:
                 return job.wait(), True
             except EngineError:
                 pass
         return None, False
+
+    def _failure(self) -> Exception | None:
+        """What the watchdog saw on this generation's transport (:mod:`flcomm.comm.watchdog`)."""
+        return self._transport.failure if self._transport is not None else None
 
     # ---------------------------------------------------------------- membership changes
     def reform(self, step: int) -> Membership:
@@ -435,8 +448,9 @@ class Federation:
         prefix, index = f"gen{g}/fed{self.coords.index}/", members.index(self.rank)
         if self.backend == "native":
             root, self._transport = native_generation(self.kv, prefix, index, len(members), self.stats,
-                                                      self.timeout)
-            self._roots.append(root)  # NOTE: kept with the split it made, freed with the federation
+                                                      self.timeout, self.exchange_max_ctas or 0,
+                                                      self.exchange_cta_policy)
+            self._roots.append(root)  # NOTE: kept with the split it made; aborted with it (_retire)
             return
         pg = store_group(self.kv, prefix, index, len(members), self.backend, self.timeout)
         self._transport = ProcessGroupTransport(pg, members, self.backend, LinkTier.INTER_GROUP, self.stats,
@@ -451,8 +465,10 @@ class Federation:
             return
         if isinstance(self._transport, ProcessGroupTransport):
             abort_group(self._transport.group)
-        else:  # NOTE: flcomm's communicator: ncclCommAbort ends its kernels
+        else:  # NOTE: flcomm's communicators: ncclCommAbort ends their kernels, the root's too (N6)
             self._transport.abort()
+            if self._roots:
+                self._roots[-1].abort()
         self._retired.append(self._transport)
         self._transport = None
 
@@ -464,7 +480,8 @@ class Federation:
 
 
 def native_generation(kv: dist.Store, prefix: str, index: int, size: int, stats: CommStats | None,
-                      timeout: timedelta) -> tuple[Transport, Transport]:
+                      timeout: timedelta, max_ctas: int = EXCHANGE_MAX_CTAS,
+                      cta_policy: int | None = None) -> tuple[Transport, Transport]:
     """A generation's fed transport on flcomm's NCCL communicators: only the live members take
     part. Member 0 publishes a fresh unique id under ``prefix``; every member initializes a
     communicator from it and splits the exchange's (with its CTA cap) off it. Returns (the root,
@@ -482,6 +499,6 @@ def native_generation(kv: dist.Store, prefix: str, index: int, size: int, stats:
         kv.wait([key], timeout)
     uid = kv.get(key)
     device = 0 if nccl.device_type() != "cuda" else nccl.default_device()
-    root = nccl.NcclTransport(lib.NcclComm(uid, size, index, device, timeout.total_seconds()),
-                              LinkTier.INTER_GROUP, stats, timeout)
-    return root, root.split(0, index, max_ctas=EXCHANGE_MAX_CTAS)
+    root = nccl.NcclTransport(nccl.new_comm(uid, size, index, device, timeout), LinkTier.INTER_GROUP, stats,
+                              timeout)
+    return root, root.split(0, index, max_ctas=max_ctas, cta_policy=cta_policy)

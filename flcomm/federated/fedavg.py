@@ -83,6 +83,7 @@ from torch import Tensor, nn
 
 from flcomm.collectives.bucketing import StagingPool, arena, bucket_dtype, span
 from flcomm.comm.engine import Job, get_engine
+from flcomm.federated import checks
 from flcomm.federated.autotune import AutoOverlap
 from flcomm.federated.checks import ReplicaCheck, StepOrder, check_sharding, non_finite_error, or_flags
 from flcomm.federated.config import AUTO, RESIDUAL_DTYPES, FedAvgConfig, check_inputs, one_device
@@ -124,6 +125,7 @@ class _Fragment:
     late: int = 0  # consecutive exchanges still running when they were due (overlap)
     own_ready: Any = None  # offload on CUDA: an event after the copies of the local shards into own
     own_span: Tensor | None = None  # own's tensors as one view, when on the device and end to end (bucketing.span)
+    own_bad: Tensor | None = None  # this rank's non-finite flag at the sync (kept for an elastic redo)
 
 
 class FedAvg:
@@ -238,9 +240,6 @@ class FedAvg:
         locals_ = [s.local for s in self.slots]
         self.device = one_device(locals_)
         self.is_param = [s.is_param for s in self.slots]
-        # NOTE: who sent a non-finite delta travels in its own tiny uncompressed all-reduce (a
-        # one-hot int32 vector over the fed group): a lossy codec may turn NaN/Inf into finite
-        # garbage, so the averaged delta alone cannot be trusted to show it.
         self._fed_index = self.fed_ranks.index(self.rank)
         if sync_init and self.transport is not None:
             broadcast(self.transport, [s.local for s in self.slots], 0)  # NOTE: all start from group 0's model
@@ -302,7 +301,7 @@ class FedAvg:
                 momentum_index=[self._mom[i] for i in x], offload=self.offload is not None,
                 residual_dtype=self.residual_dtype, staging=self._staging, replicate=self.replicate,
                 apply_scratch=overlapping) if x else None
-            fr.flags = torch.zeros(len(self.fed_ranks), dtype=torch.int32, device=self.device)
+            fr.flags = checks.own_flags(len(self.fed_ranks), self._fed_index, fr.own_bad, self.device)
             if old is not None and fr.exchange is not None:
                 try:
                     fr.exchange.load_state_dict(old)
@@ -502,7 +501,7 @@ class FedAvg:
         if locals_:
             # NOTE: no device sync; the anchor is finite (a refused average is never applied), so
             # the delta is finite exactly when the local shard (or own, its copy, in one pass) is
-            fr.flags[self._fed_index] = nonfinite(list(locals_.values()), fr.own_span).to(torch.int32)
+            fr.flags[self._fed_index] = fr.own_bad = nonfinite(list(locals_.values()), fr.own_span).to(torch.int32)
         sync_inner_state(self.inner_state, self.optimizer, self.transport)
         fr.sync_step = self.steps
         self._verify.at_start(fr)
@@ -561,7 +560,8 @@ class FedAvg:
         window = self._exposure.begin()
         nb = fr.exchange.bar.num_buckets if fr.exchange is not None else 0
         if self.federation is None:
-            res: ExchangeResult = job.wait(self.mesh.timeout * (2 * nb + 3))
+            # NOTE: stream-ordered, the job's host part ends at issue: the watchdog bounds the wire
+            res: ExchangeResult = job.wait(None if self.transport.stream_ordered else self.mesh.timeout * (2 * nb + 3))
         else:
             res = self._settle(fr, job, nb)
             if res.bad is not None and res.bad.is_cuda:
@@ -570,7 +570,7 @@ class FedAvg:
         fr.applied += 1
         wf = fr.world_flags  # NOTE: on the device until this one host read (after the window)
         self._exposure.end(window)
-        if bool(wf.any()):
+        if checks.read_refusal(wf, [self.transport, *self.mesh.native_transports()], f"FedAvg {self._sync_name(fr)}"):
             if fr.exchange is not None:
                 fr.exchange.sanitize()
             raise non_finite_error(wf, self.topology, self.fed_ranks, f"FedAvg sync of {self._sync_name(fr)}")

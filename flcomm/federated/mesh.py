@@ -203,6 +203,14 @@ class FedMesh:
         self._private[name] = (dim, t)
         return t
 
+    def native_transports(self) -> list[Transport]:
+        """The native communicators' transports (the tiers' splits, the private ones, the root):
+        what a watchdog may have aborted. Empty for a torch mesh."""
+        if not self._native:
+            return []
+        private = [t for _, t in self._private.values() if t not in self._native.values()]
+        return [*self._native.values(), *private, self._root]
+
     def close(self) -> None:
         """Free the native communicators (the splits, then the root); the process groups are
         torch.distributed's to destroy. Nothing for a torch mesh."""

@@ -261,7 +261,8 @@ def build_run(cfg: TrainConfig, monitor: Monitor, store: Any = None) -> Run:
             raise RuntimeError("--elastic needs the job's store (flcomm.train.launch.worker_main passes it)")
         fed_backend = "native" if cfg.transport == "native" else backend
         federation = Federation(store, topo, rank, backend=fed_backend, timeout=timeout, grace_s=cfg.elastic_grace_s,
-                                min_groups=cfg.min_groups, stats=mesh.stats, rejoin_mode=cfg.rejoin)
+                                min_groups=cfg.min_groups, stats=mesh.stats, rejoin_mode=cfg.rejoin,
+                                exchange_max_ctas=mesh.exchange_max_ctas, exchange_cta_policy=mesh._cta_policy)
     monitor.set_groups({k: list(v) for k, v in mesh.group_ranks.items()})
     # NOTE: the global generators are seeded, so the RNG state a checkpoint saves is the same
     # run to run (nothing in the loop draws from them today; dropout would).
