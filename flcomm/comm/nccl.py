@@ -132,9 +132,10 @@ class _NativeHandle:
     has finished, bounded by ``timeout``.
     """
 
-    def __init__(self, work: Any, blocking_wait: bool) -> None:
+    def __init__(self, work: Any, blocking_wait: bool, transport: Transport | None = None) -> None:
         self._work = work
         self._blocking = blocking_wait
+        self._transport = transport
 
     def is_completed(self) -> bool:
         return bool(self._work.is_completed())
@@ -142,6 +143,8 @@ class _NativeHandle:
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         if not self._blocking:
             self._work.stream_wait()
+            if self._transport is not None:  # NOTE: where the stream's wait ended by an abort (a CPU's)
+                self._transport.raise_if_failed(f"{type(self._transport).__name__}.wait")
             return True
         return bool(self._work.wait(-1.0 if timeout is None else _seconds(timeout)))
 
@@ -312,7 +315,7 @@ class NcclTransport(Transport):
     def _handle(self, work: Any, op: str) -> _NativeHandle:
         if self._watched and not open_group_depth():  # NOTE: a group's works: its end's (group())
             watchdog.get_watchdog().watch(self, work, op)
-        return _NativeHandle(work, self.blocking_wait)
+        return _NativeHandle(work, self.blocking_wait, self)
 
     def _all_reduce(self, tensor: Tensor, op: ReduceOp) -> Any:
         return self._handle(self.comm.all_reduce(tensor, op.value), "all_reduce")

@@ -90,6 +90,33 @@ _CLEANUP_ONLY = "2"  # abort the communicator on error or timeout; keep the proc
 _ENV_LOCK = threading.Lock()
 
 
+NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
+
+
+def bound_nonblocking_init(timeout: timedelta) -> None:
+    """Make torch bound a non-blocking NCCL communicator's init by ``timeout`` (N8).
+
+    ProcessGroupNCCL waits for a non-blocking init up to ``TORCH_NCCL_NONBLOCKING_TIMEOUT``
+    seconds (default 1800), which it reads once per process, at the first such group, whatever
+    the group's own timeout says. Unset, it is set here to ``timeout`` (whole seconds, at least 1);
+    set by the user, it is kept, with a warning when it is longer than ``timeout``."""
+    import math
+    import warnings
+
+    secs = max(1, math.ceil(timeout.total_seconds()))
+    raw = os.environ.get(NONBLOCKING_TIMEOUT_ENV)
+    if raw is None or not raw.strip():
+        os.environ[NONBLOCKING_TIMEOUT_ENV] = str(secs)
+        return
+    try:
+        have = float(raw)
+    except ValueError:
+        raise ValueError(f"{NONBLOCKING_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+    if have > secs:
+        warnings.warn(f"{NONBLOCKING_TIMEOUT_ENV}={raw} bounds torch's NCCL communicator init, longer than the "
+                      f"groups' timeout of {secs} s: a peer that never joins holds the init that long", stacklevel=3)
+
+
 def nccl_options(timeout: timedelta, *, max_ctas: int | None = None,
                  nonblocking: bool = False) -> dist.ProcessGroupNCCL.Options:
     """``ProcessGroupNCCL.Options`` with ``timeout``; ``max_ctas`` caps the CTAs (SMs) each of
@@ -132,6 +159,7 @@ def store_group(store: dist.Store, prefix: str, rank: int, size: int, backend: s
     if backend == "gloo":
         return dist.ProcessGroupGloo(ps, rank, size, timeout)
     opts = nccl_options(timeout, max_ctas=max_ctas, nonblocking=True)
+    bound_nonblocking_init(timeout)  # NOTE: torch's bound of a non-blocking init is this, not opts._timeout
     # NOTE: ProcessGroupNCCL reads its error-handling mode from the environment in its
     # constructor only, so it is set around the construction, under a lock
     with _ENV_LOCK:

@@ -61,9 +61,9 @@ class CommFailure(RuntimeError):
 
     def __init__(self, tier: str, rank: int, peers: list[int] | None, op: str, reason: str,
                  seconds: float) -> None:
-        who = f"peers (global ranks) {peers}" if peers is not None else "peers unknown"
-        super().__init__(f"the {op} on the {tier} NCCL communicator (rank {rank}; {who}) {reason} after "
-                         f"{seconds:.1f} s; the watchdog aborted the communicator")
+        who = f"of global ranks {peers}" if peers is not None else "(members unknown)"
+        super().__init__(f"the {op} on the {tier} NCCL communicator {who} (here its rank {rank}) {reason} "
+                         f"after {seconds:.1f} s; the watchdog aborted the communicator")
         self.tier, self.rank, self.peers, self.op, self.reason, self.seconds = tier, rank, peers, op, reason, seconds
 
 

@@ -260,7 +260,7 @@ def test_the_watchdog_ends_a_silent_peers_collective_and_names_it():
     assert out["seconds"] <= 2 * TIMEOUT_S
     ok, tier, rank, peers, op, msg = out["failure"]
     assert ok and (tier, rank, peers, op) == ("inter_group", 0, [0, 1], "all_reduce")
-    assert "did not complete within 1 s" in msg
+    assert "did not complete within 1 s" in msg and "communicator of global ranks [0, 1] (here its rank 0)" in msg
     assert "inter_group NCCL communicator" in out["next"] and "watchdog aborted" in out["next"]
 
 
