@@ -63,6 +63,12 @@ struct NcclCommState {
   // NOTE: guards `comm` and the fields above: wait() runs without the GIL and abort() may come
   // from another thread; NCCL must never see a comm that another thread is freeing.
   std::mutex mu;
+  // Held by a launch from its issue until NCCL has left ncclInProgress (await_ready), and by
+  // group_end and split over the same window: a non-blocking communicator used again while its
+  // previous call is still in progress returns ncclInvalidArgument (NCCL init.cc, "Attempt to use
+  // communicator before the previous operation returned ncclSuccess"), so a second thread waits
+  // here instead (N4). Taken before `mu`, never while holding it; abort() takes only `mu`.
+  std::mutex launch_mu;
 
   ~NcclCommState();
 };
@@ -303,6 +309,10 @@ struct ThreadGroup {
   std::shared_ptr<NcclEvent> event;     // recorded at the outermost group_end()
   bool has_stream = false;              // whether an op was launched in the group yet
   cudaStream_t stream = nullptr;        // the stream of the group's ops
+  // NOTE: the group's tensors, recorded on its stream at the outermost group_end(), once NCCL has
+  // enqueued the kernels that use them (N14): a recordStream before that would let a caller that
+  // drops a work and its tensor inside the group free the block ahead of the kernel
+  std::vector<at::Tensor> tensors;
 };
 thread_local ThreadGroup tl_group;
 
@@ -531,6 +541,7 @@ std::shared_ptr<NcclComm> NcclComm::split(int color, int key, double timeout_s, 
   check_split_config(max_ctas, cta_policy);
   if (timeout_s < 0) timeout_s = st.timeout_s;
   check_no_group("NcclComm.split");
+  std::lock_guard<std::mutex> launch_lock(st.launch_mu);  // NOTE: the split is in progress until await_ready (N4)
   auto cst = std::make_shared<NcclCommState>();
   cst->device = st.device;
   cst->timeout_s = timeout_s;
@@ -590,6 +601,9 @@ std::shared_ptr<NcclWork> launch(const std::shared_ptr<NcclCommState>& sp, const
   const c10::cuda::CUDAStream cstream = c10::cuda::getCurrentCUDAStream(st.device);
   const cudaStream_t stream = cstream.stream();
   check_group_stream(stream, what);
+  // NOTE: inside a group nothing is in progress until group_end, which takes the lock itself
+  std::unique_lock<std::mutex> launch_lock(st.launch_mu, std::defer_lock);
+  if (tl_group.depth == 0) launch_lock.lock();
   {
     std::lock_guard<std::mutex> lock(st.mu);
     check_alive_locked(st, what.c_str());
@@ -605,13 +619,15 @@ std::shared_ptr<NcclWork> launch(const std::shared_ptr<NcclCommState>& sp, const
       throw;
     }
   }
-  record_streams(tensors, cstream);
   if (tl_group.depth > 0) {
     tl_group.has_stream = true;
     tl_group.stream = stream;
+    tl_group.tensors.insert(tl_group.tensors.end(), tensors.begin(), tensors.end());
     return std::make_shared<NcclWork>(sp, tl_group.event, std::move(tensors));
   }
   await_ready(st, what, st.timeout_s);
+  launch_lock.unlock();
+  record_streams(tensors, cstream);
   auto event = std::make_shared<NcclEvent>(st.device);
   event->record(stream);
   return std::make_shared<NcclWork>(sp, std::move(event), std::move(tensors));
@@ -734,13 +750,18 @@ std::shared_ptr<NcclWork> NcclComm::group_end() {
   std::shared_ptr<NcclEvent> event;
   const bool has_stream = g.has_stream;
   const cudaStream_t group_stream = g.stream;
+  std::vector<at::Tensor> group_tensors;
   --g.depth;
   if (outermost) {
     event = std::move(g.event);
+    group_tensors = std::move(g.tensors);
+    g.tensors.clear();
     g.comm.reset();  // NOTE: st_ keeps the state alive for the rest of this call
     g.has_stream = false;
     g.stream = nullptr;
   }
+  std::unique_lock<std::mutex> launch_lock(st.launch_mu, std::defer_lock);
+  if (outermost) launch_lock.lock();  // NOTE: ncclGroupEnd enqueues the group: in progress until await_ready
   {
     std::lock_guard<std::mutex> lock(st.mu);
     // NOTE: ncclGroupEnd runs whatever happened to the communicator since group_start(), each of
@@ -768,10 +789,12 @@ std::shared_ptr<NcclWork> NcclComm::group_end() {
     if (!outermost) return nullptr;
   }
   await_ready(st, what, st.timeout_s);
+  launch_lock.unlock();
   c10::cuda::CUDAGuard guard(st.device);
   // NOTE: the event goes on the stream the group's ops launched on, not on whatever stream is
   // current now; a group without ops records on the current stream.
   const cudaStream_t stream = has_stream ? group_stream : c10::cuda::getCurrentCUDAStream(st.device).stream();
+  if (has_stream) record_streams(group_tensors, c10::cuda::getStreamFromExternal(group_stream, st.device));
   event->record(stream);
   return std::make_shared<NcclWork>(st_, std::move(event), std::vector<at::Tensor>{});
 }

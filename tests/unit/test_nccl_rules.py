@@ -178,3 +178,14 @@ def test_torch_nccl_collectives_are_refused_inside_an_open_group(clean_thread):
             comm.group_end()
     t._stream_wait = False  # NOTE: gloo's work is waited on the host
     assert torch.equal(t.all_reduce(torch.ones(4)), torch.ones(4))
+
+
+def test_a_stream_ordered_native_transport_takes_the_hierarchys_inline_path():
+    """N3 of the GPU review: an NcclTransport whose waits are stream-ordered says so, so a
+    two-stage hierarchical collective on CUDA is issued inline on the caller's stream
+    (flcomm/collectives/hierarchical.py) instead of a host hand-off per FSDP layer; a blocking
+    one goes through the engine lane, whose host wait orders the stages."""
+    ordered = NcclTransport(T().unattached_comm(0, 1))
+    blocking = NcclTransport(T().unattached_comm(0, 1), blocking_wait=True)
+    assert ordered.stream_ordered and ordered._stream_wait
+    assert not blocking.stream_ordered and not blocking._stream_wait
