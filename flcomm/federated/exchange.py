@@ -69,10 +69,16 @@ if TYPE_CHECKING:
 __all__ = ["DeltaExchange", "ExchangeResult", "SlicedAllReduce", "replicate_transport"]
 
 
-def replicate_transport(mesh: FedMesh, sharded: bool | None) -> Transport | None:
+def replicate_transport(mesh: FedMesh, sharded: bool | None, elastic: bool = False) -> Transport | None:
     """The transport a sharded exchange gathers its slices over, or None when it does not shard:
     ``sharded`` None means "when the topology has R > 1 replicas" (FL+HSDP); False never; True
     when R > 1 (with R = 1 there is nothing to shard).
+
+    ``elastic`` (an elastic federation): never sharded, and True is refused. The replicas'
+    gather runs on a group that lives across generations: after an aborted round one replica
+    may have issued it and the other not, so the redo would meet it out of step (the survivors
+    hang on the torch transport; on the native one the watchdog aborts it for good). Each
+    replica then exchanges its whole shard over its own generation's fed transport.
 
     Collective: every rank calls it with the same ``sharded``. The first call on a mesh creates a
     private transport per replicate-dim group (:meth:`FedMesh.private_transport`, with the mesh's
@@ -84,7 +90,10 @@ def replicate_transport(mesh: FedMesh, sharded: bool | None) -> Transport | None
     interleave with it differently on different ranks.
     """
     topo = mesh.topology
-    if sharded is False or topo.num_replicas == 1 or not topo.federated:
+    if elastic and sharded and topo.num_replicas > 1:
+        raise ValueError("sharded_exchange=True cannot run in an elastic federation: the replicas' gather does "
+                         "not survive an aborted round; leave it None (each replica exchanges its whole shard)")
+    if sharded is False or elastic or topo.num_replicas == 1 or not topo.federated:
         return None
     return mesh.private_transport("replicate_exchange", "replicate")
 

@@ -268,7 +268,7 @@ class FedAvg:
         parts = partition([s.numel for s in self.slots], self.fragments) if self.slots else [[]]
         # NOTE: the fragments' exchanges run one after another in the engine: one staging pool
         self._staging = StagingPool()
-        self.replicate = replicate_transport(mesh, self.sharded_exchange)  # None: not sharded
+        self.replicate = replicate_transport(mesh, self.sharded_exchange, self.federation is not None)  # or None
         for f, part in enumerate(parts):
             # NOTE: empty shards (FSDP uneven sharding) are left out of the exchange; the fed
             # peers hold the same shard coordinates, so they leave out the same ones.

@@ -77,6 +77,10 @@ def _exchange_worker(rank: int, world: int) -> dict:
     assert replicate_transport(fm, True) is rep and fm.private_transport("replicate_exchange", "replicate") is rep
     with pytest.raises(ValueError, match="'replicate_exchange' is over dim 'replicate', not 'group'"):
         fm.private_transport("replicate_exchange", "group")
+    # an elastic federation never shards: the replicas' gather would not survive an aborted round
+    assert replicate_transport(fm, None, elastic=True) is None
+    with pytest.raises(ValueError, match="sharded_exchange=True cannot run in an elastic federation"):
+        replicate_transport(fm, True, elastic=True)
     out: dict = {}
     for codec, ef in (("none", False), ("int8", True), ("fp8", False)):
         plain, plain_loc, plain_bytes = _exchange(fm, codec, ef, False, rep)

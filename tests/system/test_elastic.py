@@ -29,24 +29,29 @@ MEMBERSHIP_BOUND_S = 5 * (GRACE_S + 1.0)
 
 
 def _train_elastic(rank: int, world: int, E: int, T: int, kill: tuple[int, int, str], overlap: bool,
-                   outer: str, transport: str = "torch", codec: str = "none") -> dict:
+                   outer: str, transport: str = "torch", codec: str = "none", S: int = G) -> dict:
+    from tests.common import dist as tdist
+
     if transport == "native":
         from tests.common import fake_nccl
 
         with fake_nccl.installed():
-            return _train_elastic_on(rank, world, E, T, kill, overlap, outer, transport, codec)
-    return _train_elastic_on(rank, world, E, T, kill, overlap, outer, transport, codec)
+            out = _train_elastic_on(rank, world, E, T, kill, overlap, outer, transport, codec, S)
+    else:
+        out = _train_elastic_on(rank, world, E, T, kill, overlap, outer, transport, codec, S)
+    tdist.STORE.add("ended", 1)  # NOTE: a frozen rank waits for every other to end
+    return out
 
 
 def _train_elastic_on(rank: int, world: int, E: int, T: int, kill: tuple[int, int, str], overlap: bool,
-                      outer: str, transport: str, codec: str) -> dict:
+                      outer: str, transport: str, codec: str, S: int) -> dict:
     from flcomm.federated.elastic import Federation, GroupLostError
     from flcomm.federated.fedavg import FedAvg
     from flcomm.federated.topology import Topology
     from tests.common import dist as tdist
 
     timeout = timedelta(seconds=30)
-    topo = Topology(world, ranks_per_node=G, group_size=G)
+    topo = Topology(world, ranks_per_node=G, group_size=G, shard_size=S)
     mesh = topo.build(timeout=timeout, group_rank=rank, transport=transport)
     federation = Federation(tdist.STORE, topo, rank, backend="native" if transport == "native" else "gloo",
                             timeout=timeout, grace_s=GRACE_S, stats=mesh.stats)
@@ -67,9 +72,14 @@ def _train_elastic_on(rank: int, world: int, E: int, T: int, kill: tuple[int, in
             opt.step()
             opt.zero_grad()
             fed.step()
-            if rank == kill_rank and t == kill_step and phase == "exchange":
+            if rank == kill_rank and t == kill_step and phase in ("exchange", "frozen-exchange"):
                 time.sleep(0.02)  # NOTE: the exchange is in flight (overlap) when the rank dies
-                os._exit(1)
+                if phase == "exchange":
+                    os._exit(1)
+                # NOTE: frozen: alive and connected, it issues nothing until every other rank ended
+                while tdist.STORE.add("ended", 0) < world - 1:
+                    time.sleep(0.05)
+                return {"frozen": True}
         fed.finish()
     except GroupLostError as e:
         return {"lost": str(e), "group": e.group}
@@ -97,13 +107,20 @@ def _sparse_round_trip(y: torch.Tensor) -> torch.Tensor:
     (4, 10, 3, 6, "forward", False, "avg", 8, "torch", "none"),
     (4, 10, 3, 4, "exchange", True, "nesterov", 4, "torch", "none"),
     (4, 10, 3, 4, "exchange", True, "nesterov", 4, "native", "none"),
+    (4, 10, 3, 4, "frozen-exchange", True, "nesterov", 4, "native", "none"),
+    (4, 10, 3, 4, "exchange", True, "nesterov", 4, "native", "none", 1),
+    (4, 10, 3, 4, "exchange", True, "nesterov", 4, "torch", "none", 1),
     (4, 10, 3, 4, "exchange", True, "nesterov", 4, "torch", SPARSE[0]),
 ], ids=["killed-in-forward-paper-mode", "killed-during-overlapped-exchange-nesterov",
-        "native-killed-during-overlapped-exchange", "sparse-codec-killed-during-overlapped-exchange"])
+        "native-killed-during-overlapped-exchange", "native-frozen-during-overlapped-exchange",
+        "native-fl-hsdp-killed-during-overlapped-exchange", "fl-hsdp-killed-during-overlapped-exchange", "sparse-codec-killed-during-overlapped-exchange"])
 def test_survivors_equal_the_simulation_without_the_lost_group(case):
-    E, T, kill_rank, kill_step, phase, overlap, outer, dropped, transport, codec = case
+    """Also on the native transport (the strict NCCL stand-in), where only the watchdog or the
+    round's agreement ends a wait on the lost peer; FL+HSDP as R = 2 replicas of S = 1."""
+    E, T, kill_rank, kill_step, phase, overlap, outer, dropped, transport, codec, *rest = case
+    S = rest[0] if rest else G
     out = run_distributed(_train_elastic, F * G, E, T, (kill_rank, kill_step, phase), overlap, outer, transport,
-                          codec, timeout=90, group_worlds=G, may_die=frozenset({kill_rank}))
+                          codec, S, timeout=90, group_worlds=G, may_die=frozenset({kill_rank}))
     # NOTE: the sparse codec's redone round restores the residuals the aborted one changed: the
     # survivors' residuals are those of the simulation, where group 1 never took part in it
     want = simulate(F, G, E, T, outer=outer, overlap=overlap, drop_at={1: dropped},
@@ -111,7 +128,7 @@ def test_survivors_equal_the_simulation_without_the_lost_group(case):
     lost_group = [r for r in range(F * G) if r // G == 1]
     for r in lost_group:
         if r == kill_rank:
-            assert out[r] is None
+            assert out[r] == ({"frozen": True} if phase == "frozen-exchange" else None), out[r]
         else:
             assert out[r] is not None and out[r]["group"] == 1, out[r]
             assert "federation group 1 is out of the federation" in out[r]["lost"]
