@@ -648,66 +648,89 @@ def test_two_ranks_against_torch_nccl():
 
 # ---- FedAvg's offloaded exchange on the device (issue 10) ----
 
-def _offload_exchange(rank: int, world: int) -> dict:
-    """A DeltaExchange (overlap, Nesterov, error feedback) on a 1-rank NCCL group, with its full-size
-    state on the GPU and again in pinned host memory (offload): bit-identical results, and the
-    offloaded run (two exchanges and the apply step) allocates at most two buckets on the GPU
-    (staging buffer and scratch)."""
+def _offload_exchange(dev: torch.device) -> dict:
+    """A DeltaExchange (overlap, Nesterov, int8 with error feedback) over the two-rank mirror
+    double (:class:`~tests.common.gpu_figures.SlowWire`: a one-rank group takes the lossless path,
+    where int8 and the residual never run), with its full-size state on the device and again in
+    host memory, pinned on CUDA (offload). Offload shrinks the buckets to fit two on the device,
+    which would move the int8 blocks: the device run gets the offloaded run's bucket size, so the
+    two quantize the same blocks and must agree bit for bit. Two exchanges and the apply step."""
     from flcomm.codecs import get_codec
-    from flcomm.comm import TorchTransport
     from flcomm.comm.engine import get_engine
     from flcomm.federated.exchange import DeltaExchange
     from flcomm.federated.outer import OuterOptimizer
+    from tests.common.gpu_figures import SlowWire
 
-    torch.cuda.set_device(0)
-    dev = torch.device("cuda", 0)
+    cuda = dev.type == "cuda"
     bucket_mb = 1.0
-    g = torch.Generator().manual_seed(rank)
+    g = torch.Generator().manual_seed(0)
     shapes = [(1 << 20,), (3, 100_001), (257,)]
     loc = [torch.randn(s, generator=g).to(dev) for s in shapes]
     anchor0 = [torch.randn(s, generator=g) for s in shapes]
     own0 = [(t.cpu() - a) for t, a in zip(loc, anchor0)]
     res: dict = {}
-    for offload in (False, True):
+    for offload in (True, False):  # NOTE: the offloaded run first: its bucket size is the device run's
         if offload:
-            state = [[t.clone().pin_memory() for t in ts] for ts in (anchor0, own0)]
+            state = [[t.clone().pin_memory() if cuda else t.clone() for t in ts] for ts in (anchor0, own0)]
         else:
             state = [[t.to(dev, copy=True) for t in ts] for ts in (anchor0, own0)]
         anchors, own = state
         outer = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
         outer.allocate(anchors[:2])
-        if offload:
+        if offload and cuda:
             outer.buffers = [b.pin_memory() for b in outer.buffers]
-        ex = DeltaExchange(TorchTransport(), loc, codec=get_codec("int8"), bucket_mb=bucket_mb,
-                           error_feedback=True, in_place=False, anchors=anchors, own=own, outer=outer,
-                           momentum_index=[0, 1, None], offload=offload)
+        mb = bucket_mb if offload else max(res[True]["bucket_numels"]) * 4 / 2**20
+        ex = DeltaExchange(SlowWire(dev), loc, codec=get_codec("int8"), bucket_mb=mb, error_feedback=True,
+                           in_place=False, anchors=anchors, own=own, outer=outer, momentum_index=[0, 1, None],
+                           offload=offload)
         applied = [t.clone() for t in loc]
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev) if cuda else 0
         for _ in range(2):  # the second run reuses the buffers of the first
             get_engine(dev).submit(lambda j: ex.run(j, loc), "offload test").wait(60)
         ex.add_own(applied)  # the apply step, on this stream
-        torch.cuda.synchronize()
-        res[offload] = {"extra": torch.cuda.max_memory_allocated(dev) - base,
+        if cuda:
+            torch.cuda.synchronize()
+        res[offload] = {"extra": torch.cuda.max_memory_allocated(dev) - base if cuda else None,
                         "anchors": [a.cpu() for a in anchors], "own": [o.cpu() for o in own],
                         "applied": [t.cpu() for t in applied],
                         "momentum": [b.cpu() for b in outer.buffers], "mem": ex.memory_bytes(),
+                        "bucket_numels": ex.bar.bucket_numels,
+                        "residual_abs": float(sum(r.abs().sum() for r in ex.bar.residuals() if r is not None)),
                         "bucket": bucket_mb * 2**20}
     return res
+
+
+def _check_offload_exchange(res: dict) -> None:
+    dev, off = res[False], res[True]
+    assert dev["bucket_numels"] == off["bucket_numels"], (dev["bucket_numels"], off["bucket_numels"])
+    # NOTE: the lossless path folds the residual in and zeroes it: a residual left means int8 + EF ran
+    assert dev["residual_abs"] > 0 and off["residual_abs"] > 0, "the exchange took the lossless path"
+    for key in ("anchors", "own", "momentum", "applied"):
+        for a, b in zip(dev[key], off[key]):
+            assert torch.equal(a, b), key
+    assert off["mem"]["staging"] + off["mem"]["transient"] <= 2 * off["bucket"], off["mem"]
+
+
+def test_offloaded_exchange_on_cpu():
+    """The CPU twin of the test below (host and device are one memory; the same staged path)."""
+    _check_offload_exchange(_offload_exchange(torch.device("cpu")))
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(180)
 def test_offloaded_exchange_on_the_gpu():
-    (res,) = run_distributed(_offload_exchange, 1, timeout=150, backend="nccl")
-    dev, off = res[False], res[True]
-    for key in ("anchors", "own", "momentum", "applied"):
-        for a, b in zip(dev[key], off[key]):
-            assert torch.equal(a, b), key
+    """Pass rule: the offloaded and the device runs (same buckets) agree bit for bit in anchors,
+    own corrections, momentum and the applied shards; int8 + error feedback ran (residuals left);
+    the offloaded run allocates at most two buckets on the GPU (staging buffer, scratch, plan)."""
+    res = _offload_exchange(torch.device("cuda", torch.cuda.current_device()))
+    off = res[True]
     bucket = off["bucket"]
-    figure("test_offloaded_exchange_on_the_gpu", extra_bytes_offload=off["extra"], extra_bytes_device=dev["extra"],
-           bucket_bytes=bucket)
+    figure("test_offloaded_exchange_on_the_gpu", extra_bytes_offload=off["extra"],
+           extra_bytes_device=res[False]["extra"], bucket_bytes=bucket, bucket_numels=off["bucket_numels"],
+           residual_abs=off["residual_abs"])
+    _check_offload_exchange(res)
     # NOTE: slack for the caching allocator's 512-byte blocks of scalars (the finiteness check)
     assert off["extra"] <= 2 * bucket + 64 * 1024, (off["extra"] / bucket, off["mem"])
-    assert off["mem"]["staging"] + off["mem"]["transient"] <= 2 * bucket, off["mem"]
