@@ -15,7 +15,6 @@ import time
 from datetime import timedelta
 
 import pytest
-import torch
 
 from tests.common.dist import run_distributed
 
@@ -81,54 +80,3 @@ def test_every_survivor_of_a_lost_native_peer_ends_within_twice_the_timeout(S, f
         members = {0: "[0, 1]", 1: f"[1, {VICTIM}]", 2: f"[2, {VICTIM}]"}[r]
         assert f"NCCL communicator of global ranks {members}" in msg, msg
         assert r != 1 or "inter_group" in msg, msg
-
-
-def _hook_run(rank: int, world: int) -> dict:
-    """HSDP 2 x 2 with the replicate all-reduce hook on the native transport; rank 3 goes silent
-    before step 2's forward."""
-    import torch.nn.functional as F
-
-    from flcomm.federated.strategy import Strategy
-    from flcomm.fsdp.fsdp2 import apply_all_reduce_hook
-    from tests.common import dist as tdist
-    from tests.common import fake_nccl
-    from tests.dist.test_fsdp_hooks import _batch, _fsdp2_model
-
-    fake_nccl.install()
-    hm = Strategy.HSDP.topology(world, 2).build(transport="native", timeout=timedelta(seconds=TIMEOUT_S))
-    model = _fsdp2_model(hm.device_mesh["shard"], lambda m: apply_all_reduce_hook(m, hm.transport("replicate")))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    out: dict = {"rank": rank, "error": None}
-    t0 = None
-    try:
-        for step in range(3):
-            if step == 1 and rank == VICTIM:
-                while tdist.STORE.add("ended", 0) < world - 1:
-                    time.sleep(0.05)
-                return {"rank": rank, "frozen": True}
-            if step == 1:
-                t0 = time.monotonic()
-            x = _batch(step, rank)
-            logits = model(x[:, :-1])
-            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)).backward()
-            opt.step()
-            opt.zero_grad()
-    except Exception as e:  # noqa: BLE001 - the survivors' report is the result
-        out["error"] = f"{type(e).__name__}: {e}"
-    out["seconds"] = None if t0 is None else time.monotonic() - t0
-    tdist.STORE.add("ended", 1)
-    return out
-
-
-def test_the_replicate_hook_on_a_frozen_native_peer_ends_within_twice_the_timeout():
-    """Ranks 0 and 1 hang in the native replicate hook (their replicate peers are ranks 2 and 3;
-    rank 2 is itself stuck in FSDP's gloo all-gather with rank 3): the watchdog ends them.
-    Rank 2's FSDP collective is torch's (gloo), bounded by the mesh's timeout."""
-    res = run_distributed(_hook_run, 4, timeout=60, may_die=frozenset({VICTIM}))
-    assert res[VICTIM] == {"rank": VICTIM, "frozen": True}
-    for r in (0, 1, 2):
-        got = res[r]
-        assert got["error"] is not None and got["seconds"] <= 2 * TIMEOUT_S, got
-        if r in (0, 1):
-            assert "the watchdog aborted the communicator" in got["error"], got
-            assert f"NCCL communicator of global ranks [{r}, {r + 2}]" in got["error"], got
