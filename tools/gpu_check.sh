@@ -172,6 +172,14 @@ for f in "${GPU_FILES[@]}"; do
   case "$f" in "$PROBES" | "$TWO_RANKS" | "$NATIVE") ;; *) OTHER_FILES+=("$f") ;; esac
 done
 
+# ---- the prebuilt _C, if any ----
+PREBUILT=${GPU_CHECK_PREBUILT:-}
+if [ "$PREBUILT" = none ]; then
+  PREBUILT=  # NOTE: asked for: no prebuilt, not even the default path's
+elif [ -z "$PREBUILT" ] && [ -e "$PREBUILT_DIR/_C$EXT.gz" ]; then
+  PREBUILT=$PREBUILT_DIR/_C$EXT.gz
+fi
+
 T0=$(date +%s)
 GATE_FATAL=0
 
@@ -222,7 +230,10 @@ step() {
 
 if [ "$MODE" = run ]; then
   rm -rf "$WORK" && mkdir -p "$WORK" "$OUT"
-  rm -f "$OUT/summary.json" "$OUT/logs.tgz" "$OUT"/_C*.so.gz "$OUT"/_C*.so.gz.json
+  rm -f "$OUT/summary.json" "$OUT/logs.tgz"
+  for f in "$OUT"/_C*.so.gz "$OUT"/_C*.so.gz.json; do  # NOTE: an earlier run's, unless it is the prebuilt
+    [ -e "$f" ] && ! [ "$f" -ef "$PREBUILT" ] && ! [ "$f" -ef "$PREBUILT.json" ] && rm -f "$f"
+  done
   : > "$WORK/steps.jsonl"
   : > "$FLCOMM_GPU_FIGURES"
   note "python $PY, CUDA_HOME=$CUDA_HOME, arches $FLCOMM_CUDA_ARCHS, MAX_JOBS=$MAX_JOBS, budget ${BUDGET} s, out $OUT"
@@ -232,12 +243,6 @@ fi
 step env "$PY" "$SUMMARY" env "$WORK"
 
 # ---- the _C: a prebuilt one that fits and passes its gate, else a build ----
-PREBUILT=${GPU_CHECK_PREBUILT:-}
-if [ "$PREBUILT" = none ]; then
-  PREBUILT=  # NOTE: asked for: no prebuilt, not even the default path's
-elif [ -z "$PREBUILT" ] && [ -e "$PREBUILT_DIR/_C$EXT.gz" ]; then
-  PREBUILT=$PREBUILT_DIR/_C$EXT.gz
-fi
 if [ "$MODE" = dry ] && [ -z "$PREBUILT" ]; then PREBUILT="\${GPU_CHECK_PREBUILT:-$PREBUILT_DIR/_C$EXT.gz}"; fi
 prebuilt_ok=0
 if [ -z "$PREBUILT" ]; then
