@@ -113,7 +113,8 @@ def _sparse_round_trip(y: torch.Tensor) -> torch.Tensor:
     (4, 10, 3, 4, "exchange", True, "nesterov", 4, "torch", SPARSE[0]),
 ], ids=["killed-in-forward-paper-mode", "killed-during-overlapped-exchange-nesterov",
         "native-killed-during-overlapped-exchange", "native-frozen-during-overlapped-exchange",
-        "native-fl-hsdp-killed-during-overlapped-exchange", "fl-hsdp-killed-during-overlapped-exchange", "sparse-codec-killed-during-overlapped-exchange"])
+        "native-fl-hsdp-killed-during-overlapped-exchange", "fl-hsdp-killed-during-overlapped-exchange",
+        "sparse-codec-killed-during-overlapped-exchange"])
 def test_survivors_equal_the_simulation_without_the_lost_group(case):
     """Also on the native transport (the strict NCCL stand-in), where only the watchdog or the
     round's agreement ends a wait on the lost peer; FL+HSDP as R = 2 replicas of S = 1."""
