@@ -86,15 +86,21 @@ def _ramp(rank: int, device: str) -> torch.Tensor:
     return torch.arange(N, dtype=torch.float32, device=device) + 1000.0 * rank
 
 
-def _root_and_splits(rank: int, world: int, stand_in: bool) -> dict:
+def _blocking_root(rank: int, stand_in: bool):
+    """(this rank's device, a blocking native root transport over the world, bounded by TIMEOUT_S)."""
     from flcomm.comm.base import LinkTier
     from flcomm.comm.nccl import NcclTransport
 
+    device = _setup(rank, stand_in)
+    return device, NcclTransport.from_group(None, LinkTier.INTER_NODE, timeout=timedelta(seconds=TIMEOUT_S),
+                                            blocking_wait=True)
+
+
+def _root_and_splits(rank: int, world: int, stand_in: bool) -> dict:
+
     t0 = time.monotonic()
     try:
-        device = _setup(rank, stand_in)
-        root = NcclTransport.from_group(None, LinkTier.INTER_NODE, timeout=timedelta(seconds=TIMEOUT_S),
-                                        blocking_wait=True)
+        device, root = _blocking_root(rank, stand_in)
     except Exception as e:  # noqa: BLE001 - NCCL's refusal of the setup is the result
         return {"refused": _refusal(e, t0)}
     out: dict = {"refused": None, "init_s": time.monotonic() - t0, "root": (root.rank, root.size)}
@@ -278,15 +284,12 @@ def _hook_native_and_gloo(rank: int, world: int, stand_in: bool) -> dict:
     import torch.distributed as dist
 
     from flcomm.comm.base import LinkTier
-    from flcomm.comm.nccl import NcclTransport
     from flcomm.comm.torch_pg import TorchTransport
     from flcomm.fsdp.fsdp2 import ReplicateAllReduceHook
 
     t0 = time.monotonic()
     try:
-        device = _setup(rank, stand_in)
-        native = NcclTransport.from_group(None, LinkTier.INTER_NODE, timeout=timedelta(seconds=TIMEOUT_S),
-                                          blocking_wait=True)
+        device, native = _blocking_root(rank, stand_in)
     except Exception as e:  # noqa: BLE001 - NCCL's refusal of the setup is the result
         return {"refused": _refusal(e, t0)}
     gloo = TorchTransport(dist.group.WORLD, LinkTier.INTER_NODE, timeout=timedelta(seconds=TIMEOUT_S))
