@@ -21,7 +21,10 @@ if TYPE_CHECKING:
 
 __all__ = ["EXCHANGE_GROUPS", "FedMesh", "TransportKind"]
 
-EXCHANGE_GROUPS = ("fed", "replicate_exchange")  # the FedAvg exchange's groups (:meth:`FedMesh._pg_options`)
+# the groups whose collectives a FedAvg job issues from the progress engine's thread, beside
+# FSDP's own: the exchange's and the flags' agreement (review item H3). They get the CTA cap
+# (:meth:`FedMesh._pg_options`, :meth:`FedMesh._split`), so they leave compute its SMs.
+EXCHANGE_GROUPS = ("fed", "replicate_exchange", "flags_agree")
 
 
 class TransportKind(Choice, what="transport"):
@@ -219,7 +222,7 @@ class FedMesh:
         self._native.clear()
 
     def _pg_options(self, name: str) -> Any:
-        """On NCCL, the exchange's groups (``fed``, ``replicate_exchange``) get the CTA cap
+        """On NCCL, the exchange's groups (:data:`EXCHANGE_GROUPS`) get the CTA cap
         (:data:`~flcomm.comm.base.EXCHANGE_MAX_CTAS`): their slow transfers run beside
         compute. Every other group keeps NCCL's defaults."""
         import torch.distributed as dist

@@ -101,9 +101,13 @@ def test_only_the_exchange_groups_get_the_cap_on_nccl(monkeypatch, backend):
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     mesh = object.__new__(FedMesh)  # NOTE: only the options' choice, no process groups
     mesh.timeout, mesh.exchange_max_ctas = timedelta(seconds=5), 2
-    for name in ("fed", "replicate_exchange", "shard", "replicate", "group", "shard_intra", "shard_inter"):
+    # NOTE: the rule, written out: every group a FedAvg job uses from the engine thread (beside
+    # FSDP's collectives) is capped, and no group FSDP or the trainer uses is
+    engine_groups = {"fed", "replicate_exchange", "flags_agree"}
+    assert set(EXCHANGE_GROUPS) == engine_groups
+    for name in (*engine_groups, "shard", "replicate", "group", "shard_intra", "shard_inter"):
         opts = mesh._pg_options(name)
-        if backend == "nccl" and name in EXCHANGE_GROUPS:
+        if backend == "nccl" and name in engine_groups:
             assert opts.config.max_ctas == 2 and opts._timeout == timedelta(seconds=5), name
         else:
             assert opts is None, name
