@@ -896,3 +896,24 @@ def test_hook_residual_is_finite_again_after_an_inf_gradient():
     assert finite_after[1], "the error-feedback residual stayed non-finite after a finite gradient"
     assert torch.equal(got_r, ref_r), "the residual after a finite step differs from plain torch"
     assert torch.equal(got_out, ref_out), "the hook's result differs from plain torch"
+
+
+@pytest.mark.gpu
+def test_elastic_snapshot_does_not_block_the_host_and_restores_the_round_inputs():
+    """P7: an elastic round's snapshot of CUDA tensors is queued on the current stream (pinned
+    host copies), not a host sync per round; restore() waits for it and writes the inputs back."""
+    from flcomm.federated.elastic import snapshot
+
+    a = torch.randn(1 << 20, device="cuda")
+    b = torch.randn(1 << 16, device="cuda").to(torch.bfloat16)
+    want = [a.clone(), b.clone()]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(CYCLES_PER_S))  # ~1 s of a busy stream ahead of the copies
+    restore = snapshot([a, b])
+    still_busy = not torch.cuda.current_stream().query()
+    a.mul_(-2)  # the round changes its inputs after the snapshot, on the same stream
+    b.add_(3)
+    restore()
+    torch.cuda.synchronize()
+    assert still_busy, "snapshot() waited for the stream: a host sync per elastic round"
+    assert torch.equal(a, want[0]) and torch.equal(b, want[1])
