@@ -20,6 +20,9 @@ def cuda_event(device: torch.device | None = None) -> Any:
     return ev
 
 
+_FOLD_AT = 256  # pending windows before the completed ones are folded in (:meth:`ExposedTime.end`)
+
+
 class ExposedTime:
     """The accounting of exposed time, window by window (a sync's start, an apply: what the
     training loop does for the exchange).
@@ -50,6 +53,19 @@ class ExposedTime:
             self._s += self._clock() - t0
         else:
             self._pending.append((ev0, self._new_event()))
+            if len(self._pending) > _FOLD_AT:
+                self._fold_done()
+
+    def _fold_done(self) -> None:
+        """Adds the windows whose end event has completed and drops their events, without a
+        sync: a run that never reads :attr:`seconds` keeps a bounded list of events."""
+        done = 0
+        for e0, e1 in self._pending:
+            if not e1.query():
+                break
+            self._s += e0.elapsed_time(e1) / 1e3
+            done += 1
+        del self._pending[:done]
 
     @property
     def seconds(self) -> float:

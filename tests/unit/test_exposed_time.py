@@ -25,6 +25,9 @@ class _Event:
     def synchronize(self) -> None:
         pass
 
+    def query(self) -> bool:
+        return True  # NOTE: a completed event (the fold test makes some incomplete)
+
     def elapsed_time(self, end: _Event) -> float:
         return (end.at - self.at) * 1e3  # ms, as CUDA events
 
@@ -65,3 +68,30 @@ def test_cuda_accounting_counts_the_stream_not_the_host():
     _window(acc, clock, 1.0, 0.25)
     _window(acc, clock, 0.0, 0.5)
     assert acc.seconds == pytest.approx(0.75)
+
+
+def test_a_run_that_never_reads_the_seconds_keeps_a_bounded_list_of_events():
+    """S1: completed windows are folded in as they pile up (no sync), incomplete ones are kept
+    in order, and the total is what reading every window would give."""
+    from flcomm.federated import exposure
+    from flcomm.federated.exposure import ExposedTime
+
+    clock = _Clock()
+    made: list[_Event] = []
+
+    def new_event() -> _Event:
+        made.append(_Event(clock))
+        return made[-1]
+
+    acc = ExposedTime(events=True, clock=clock, new_event=new_event)
+    n = 3 * exposure._FOLD_AT
+    for _ in range(n):
+        _window(acc, clock, 0.01, 0.01)
+    assert len(acc._pending) <= exposure._FOLD_AT + 1
+    late = made[-2:]  # the last window's events: not completed yet
+    for e in late:
+        e.query = lambda: False
+    _window(acc, clock, 0.5, 0.5)
+    late[1].query = lambda: True
+    assert acc.seconds == pytest.approx(0.01 * n + 0.5)
+    assert acc._pending == []
