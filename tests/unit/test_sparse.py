@@ -25,7 +25,7 @@ def _input(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g)
     if n > 40:
-        x[3:9] = 1.25  # ties of equal magnitude, some kept, some not
+        x[3:9] = 1.25  # ties of equal magnitude (all kept or all dropped on this grid; see below)
         x[10:14] = -1.25
         x[20] = -0.0
         x[21:24] = torch.tensor([1e-40, -3e-42, 2e-45])  # subnormals
@@ -70,6 +70,43 @@ def test_decode_accumulate_and_error_feedback_are_the_definitions(backend, n, bl
     assert _same(enc, topk_ref.encode(x + r, block, k, bits))
     assert _same(res, r_want)
     assert _same(sparse.topk_decode(enc, n, block=block, k=k, bits=bits, backend=backend), d_want)
+
+
+# NOTE: ties that straddle k (review F3): per block, 3 values above the tie level, then 12 values
+# of equal magnitude (mixed signs, scattered); k = 8 keeps the 3 and 5 of the 12, and the written
+# rule ("equal magnitudes: the lower index first") decides which 5
+TIE_BLOCK, TIE_K = 256, 8
+
+
+def _straddling_ties(blocks: int, seed: int) -> tuple[torch.Tensor, list[int]]:
+    """The input, and the indices the rule keeps, worked out here from the rule alone."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.rand(blocks * TIE_BLOCK, generator=g) - 0.5)  # |x| < 0.5: never kept
+    keep = []
+    for b in range(blocks):
+        pos = (torch.randperm(TIE_BLOCK, generator=g)[:15] + b * TIE_BLOCK).tolist()
+        above, ties = pos[:3], pos[3:]
+        x[above] = torch.tensor([3.0, -2.5, 2.25])
+        x[ties] = torch.tensor([2.0, -2.0] * 6)
+        keep += sorted(above + sorted(ties)[:TIE_K - 3])
+    return x, sorted(keep)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_ties_that_straddle_k_keep_the_lower_indices(backend, bits):
+    x, keep = _straddling_ties(blocks=3, seed=11 + bits)
+    n = x.numel()
+    got = sparse.topk_encode(x, block=TIE_BLOCK, k=TIE_K, bits=bits, backend=backend)
+    assert _same(got, topk_ref.encode(x, TIE_BLOCK, TIE_K, bits))
+    dec = sparse.topk_decode(got, n, block=TIE_BLOCK, k=TIE_K, bits=bits, backend=backend)
+    assert dec.nonzero().flatten().tolist() == keep
+    res = torch.zeros(n)
+    sparse.topk_encode(x, block=TIE_BLOCK, k=TIE_K, bits=bits, residual=res, backend=backend)
+    _, r_want = topk_ref.error_feedback(x, torch.zeros(n), TIE_BLOCK, TIE_K, bits)
+    assert _same(res, r_want)
+    dropped = [i for i in range(n) if abs(float(x[i])) == 2.0 and i not in set(keep)]
+    assert dropped and all(res[i] == x[i] for i in dropped)  # a dropped tie is carried whole
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
