@@ -83,11 +83,23 @@ def format_info(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# what each feature of ``missing_features`` needs from ``build_info()``
+# the operators of flcomm._C that flcomm calls (csrc/bindings.cpp declares them; a test reads
+# its schemas): a build has "native" only with a CPU kernel of each, and "cuda" with a CUDA one
+OPERATORS: tuple[str, ...] = ("apply_average", "dequantize", "quantize", "quantize_error_feedback",
+                              "shard_transpose", "shard_transpose_out", "topk_decode", "topk_encode")
+
+
+def _lacks(have: list[str]) -> list[str]:
+    return [op for op in OPERATORS if op not in have]
+
+
+# what each feature of ``missing_features`` needs from ``build_info()``: None when it has it, else why not
 FEATURES = {
-    "native": lambda i: i["native"] and bool(i["cpu_kernels"]),
-    "cuda": lambda i: i["cuda_compiled"] and bool(i["cuda_kernels"]),
-    "nccl": lambda i: i["nccl_compiled"] is not None,
+    "native": lambda i: (None if not _lacks(i["cpu_kernels"]) else
+                         f"no CPU kernel of {_lacks(i['cpu_kernels'])}") if i["native"] else "",
+    "cuda": lambda i: (None if not _lacks(i["cuda_kernels"]) else
+                       f"no CUDA kernel of {_lacks(i['cuda_kernels'])}") if i["cuda_compiled"] else "",
+    "nccl": lambda i: None if i["nccl_compiled"] is not None else "",
 }
 
 
@@ -102,4 +114,9 @@ def missing_features(required: str | list[str], info: dict[str, Any] | None = No
         raise ValueError(f"unknown flcomm feature(s) {unknown}; expected some of {sorted(FEATURES)}")
     info = build_info() if info is None else info
     why = info.get("native_error") or "flcomm._C was built without it"
-    return [f"{n}: not in this build ({why})" for n in names if not FEATURES[n](info)]
+    out = []
+    for n in names:
+        lack = FEATURES[n](info)
+        if lack is not None:
+            out.append(f"{n}: not in this build ({lack or why})")
+    return out

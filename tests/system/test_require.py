@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from flcomm.info import build_info, missing_features
+from tests.common.native_ops import declared_operators
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -50,10 +51,24 @@ def test_this_build_passes_with_what_it_has(tmp_path):
     assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout + r.stderr
 
 
+def test_the_required_operators_are_every_one_the_bindings_declare():
+    from flcomm.info import OPERATORS
+    from tests.common.native_ops import declared_operators
+
+    assert set(OPERATORS) == declared_operators()
+
+
 def test_missing_features_reads_the_build_info():
-    info = {"native": True, "native_error": None, "cpu_kernels": ["quantize"], "cuda_kernels": [],
+    every = sorted(declared_operators())
+    info = {"native": True, "native_error": None, "cpu_kernels": every, "cuda_kernels": [],
             "cuda_compiled": False, "nccl_compiled": None}
     assert missing_features("native", info) == []
     assert [m.split(":")[0] for m in missing_features("native,cuda,nccl", info)] == ["cuda", "nccl"]
+    # F8c: one CPU kernel is not a native build; the message names what is missing
+    partial = {**info, "cpu_kernels": ["quantize"], "cuda_compiled": True, "cuda_kernels": every[:-1]}
+    got = missing_features("native,cuda", partial)
+    assert len(got) == 2 and got[0].startswith("native: not in this build (no CPU kernel of [")
+    assert all(op in got[0] for op in every if op != "quantize") and every[-1] in got[1]
+    assert every[0] not in got[1]
     with pytest.raises(ValueError, match=r"unknown flcomm feature\(s\) \['gpu'\]; expected some of"):
         missing_features("native,gpu", info)
