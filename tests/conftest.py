@@ -3,7 +3,9 @@ import os
 import pytest
 import torch
 
-from tests.common.markers import deselect_slow
+from tests.common.markers import deselect_slow, skip_allowed, skip_reason
+
+_SKIPS_REFUSED: list[str] = []
 
 
 def pytest_configure(config):
@@ -29,3 +31,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; none visible"))
         if item.get_closest_marker("multigpu") is not None and gpus < 2:
             item.add_marker(pytest.mark.skip(reason=f"needs 2+ CUDA GPUs; {gpus} visible"))
+
+
+def _note_skip(report) -> None:
+    reason = skip_reason(report)
+    if reason is not None and not skip_allowed(reason):
+        _SKIPS_REFUSED.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_runtest_logreport(report):
+    _note_skip(report)
+
+
+def pytest_collectreport(report):
+    _note_skip(report)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _SKIPS_REFUSED and os.environ.get("FLCOMM_STRICT_SKIPS") == "1":
+        terminalreporter.section("skips outside the allow-list (tests/common/markers.py SKIP_ALLOWED)", red=True)
+        for line in _SKIPS_REFUSED:
+            terminalreporter.line(line)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """FLCOMM_STRICT_SKIPS=1 (CI): a skip for a reason outside the allow-list fails the run."""
+    if _SKIPS_REFUSED and os.environ.get("FLCOMM_STRICT_SKIPS") == "1" and exitstatus == 0:
+        session.exitstatus = 1

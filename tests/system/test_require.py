@@ -72,3 +72,44 @@ def test_missing_features_reads_the_build_info():
     assert every[0] not in got[1]
     with pytest.raises(ValueError, match=r"unknown flcomm feature\(s\) \['gpu'\]; expected some of"):
         missing_features("native,gpu", info)
+
+
+SKIPS = '''import pytest
+
+def test_no_gpu():
+    pytest.skip("needs a CUDA GPU; none visible")
+
+def test_no_tool():
+    pytest.skip("iproute2 is not installed")
+
+def test_ok():
+    assert True
+'''
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "default"])
+def test_a_skip_outside_the_allow_list_fails_a_strict_run(tmp_path, strict):
+    where = _tree(tmp_path, with_native=True)
+    (where / "tests" / "test_ok.py").write_text(SKIPS)
+    env = {**os.environ, "PYTHONPATH": str(where), "FLCOMM_STRICT_SKIPS": "1" if strict else "0"}
+    env.pop("FLCOMM_REQUIRE", None)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_ok.py"],
+                       cwd=where, env=env, capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert "1 passed, 2 skipped" in out, out
+    if strict:
+        assert r.returncode == 1, out
+        assert "skips outside the allow-list" in out and "test_no_tool: Skipped: iproute2 is not installed" in out
+        assert "test_no_gpu" not in out.split("skips outside the allow-list")[1]
+    else:
+        assert r.returncode == 0, out
+
+
+def test_the_allow_list_admits_only_missing_hardware():
+    from tests.common.markers import skip_allowed
+
+    assert skip_allowed("Skipped: needs a CUDA GPU; none visible")
+    assert skip_allowed("needs 2+ CUDA GPUs; 1 visible") and skip_allowed("no AVX-512F+BW")
+    for reason in ("transformers is not installed (the hf extra)", "needs 2+ CUDA GPUs", "no ip or tc",
+                   "needs a CUDA GPU; none visible, and more"):
+        assert not skip_allowed(reason), reason
