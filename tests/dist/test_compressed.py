@@ -138,16 +138,17 @@ def _ef_body(rank: int, world: int, name: str, rounds: int, op: str) -> dict:
     res = torch.zeros(n)
     total_ef = torch.zeros(n)
     total_plain = torch.zeros(n)
-    outs = []
+    outs, res1 = [], None
     for _ in range(rounds):
         y = x.clone()
         compressed_all_reduce(tr, y, codec=name, op=op, residual=res)
         total_ef += y
         outs.append(y.clone())
+        res1 = res.clone() if res1 is None else res1
         z = x.clone()
         compressed_all_reduce(tr, z, codec=name, op=op)
         total_plain += z
-    return {"total_ef": total_ef, "total_plain": total_plain, "res": res, "outs": outs}
+    return {"total_ef": total_ef, "total_plain": total_plain, "res": res, "outs": outs, "res1": res1}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -166,6 +167,10 @@ def test_error_feedback_tracks_the_exact_sum(request, world, name, op):
     # the simulation of round 1 gives the same result and residuals
     sim, reduced, sim_res = simulate(xs, name, op)
     assert torch.equal(results[0]["outs"][0], sim)
+    # NOTE: each rank's own residual, not only their sum (review §1: error moved between ranks
+    # keeps the telescoping sum)
+    for rank in range(world):
+        assert torch.equal(results[rank]["res1"], sim_res[rank]), rank
     # within one round's error, while plain compression drifts by `rounds` times that
     bound = two_hop_bound(xs, exact_round, name, op, hops=1 if world == 2 else 2) * 1.01
     err_ef = (ef - exact_total).abs()
