@@ -15,7 +15,8 @@ from tests.common.fedavg_sim import Block, averaged_names, batch, loss_fn, make_
 RTOL, ATOL = 1e-4, 2e-5  # fp32: different summation orders only
 #: stated tolerance: max |w_codec - w_none| / max |w_none - w_init| after 6 AdamW steps, 3 syncs
 #: (test_fedavg.py's compressed run)
-CODEC_TOL = {"bf16": 0.01, "int8": 0.02, "fp8": 0.08}  # measured: 3.3e-3, 5.4e-3 (4.1e-3 with EF), 2.0e-2
+# NOTE: a loose bound shared by several tests; test_fedavg.py holds the measured errors (2x bounds)
+CODEC_TOL = {"bf16": 0.01, "int8": 0.02, "fp8": 0.08}
 CODEC_TOL["fp16"] = CODEC_TOL["bf16"]  # NOTE: a bound, not measured: fp16 keeps 3 more mantissa bits than bf16
 
 

@@ -195,13 +195,20 @@ def _compressed_worker(rank: int, world: int) -> dict:
     return out
 
 
+# NOTE: 2x what this run gives (measured 2026-12-07, torch 2.14.1, CPU; deterministic): bf16
+# 1.86e-3, int8 3.57e-3, int8+ef 1.94e-3, fp8+ef 1.11e-2, int8+ef with a bf16 residual 1.94e-3.
+# A codec path twice as lossy fails here; CODEC_TOL (the harness's stated bound) stays looser.
+MEASURED_X2 = {"bf16": 3.7e-3, "int8": 7.2e-3, "int8+ef": 3.9e-3, "fp8+ef": 2.2e-2, "int8+ef-bf16": 3.9e-3}
+
+
 def test_compressed_within_tolerance_of_uncompressed(combined):
     res = _part(combined, "compressed")
+    assert set(res[0]) == set(MEASURED_X2), sorted(res[0])
     for name, (err, byte_ratio) in res[0].items():
         codec = name.split("+")[0]
-        assert 0 < err < CODEC_TOL[codec], (name, err)  # lossy, and within the stated tolerance
+        assert 0 < err < min(MEASURED_X2[name], CODEC_TOL[codec]), (name, err)  # lossy, within 2x of what ran
         assert byte_ratio < (0.6 if codec in ("bf16", "fp16") else 0.35), (name, byte_ratio)
-    # a bf16 residual keeps what error feedback gains (measured: 4.11e-3 for both)
+    # a bf16 residual keeps what error feedback gains (measured: 1.94e-3 for both)
     assert res[0]["int8+ef-bf16"][0] <= 1.2 * res[0]["int8+ef"][0], res[0]
     print({k: (f"err {e:.2e}", f"bytes x{b:.3f}") for k, (e, b) in res[0].items()})
 
