@@ -223,16 +223,18 @@ def _nan_worker(rank: int, world: int) -> dict:
     fm, model, opt = build(world, F, S, "fsdp2", mesh=fed_mesh(world, F, S))
     fed = FedAvg(model, fm, sync_every=1, codec="int8", error_feedback=True)
     train(fm, model, opt, None, range(1, 2))
+    planted = False
     if fm.coords.group == 1:
         with torch.no_grad():
             for p in model.parameters():
                 if p.to_local().numel():
                     p.to_local().view(-1)[0] = float("nan")
+                    planted = True
     try:
         fed.step()
     except NonFiniteAverageError as e:
-        return {"bad_ranks": e.bad_ranks, "message": str(e)}
-    return {"bad_ranks": None}
+        return {"bad_ranks": e.bad_ranks, "message": str(e), "planted": planted}
+    return {"bad_ranks": None, "planted": planted}
 
 
 # NOTE: one run of the ranks for every part (starting 8 ranks costs more than most checks); each
@@ -334,5 +336,7 @@ def test_state_dict_round_trip_of_the_sharded_residuals(results):
 def test_non_finite_shard_is_refused_on_every_rank(results):
     res = _part(results, "nan")
     group1 = list(range(WORLD // F, WORLD))  # contiguous groups: ranks 4..7
+    planted = [r for r, o in enumerate(res) if o["planted"]]  # NOTE: the ranks that hold a NaN
+    assert planted and set(planted) <= set(group1)
     for o in res:
-        assert o["bad_ranks"] is not None and set(o["bad_ranks"]) <= set(group1) and o["bad_ranks"], o
+        assert o["bad_ranks"] is not None and sorted(o["bad_ranks"]) == planted, (o, planted)
