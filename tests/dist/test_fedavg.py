@@ -427,4 +427,9 @@ def test_nan_refusal_reaches_every_federation_group(combined):
 
 
 def test_errors_nan_refusal(combined):
-    _part(combined, "errors")
+    """The worker's own raises are checked there; here what reached every rank of the world: a
+    NaN planted on rank 3 alone (one fed group of 2 groups) is refused on all 4 ranks, naming
+    rank 3, with one message."""
+    res = _part(combined, "errors")
+    assert len(res) == 4 and all(o["bad"] == [3] for o in res), res
+    assert len({o["refusal"] for o in res}) == 1 and "[3]" in res[0]["refusal"], res
