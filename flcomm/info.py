@@ -89,18 +89,22 @@ OPERATORS: tuple[str, ...] = ("apply_average", "dequantize", "quantize", "quanti
                               "shard_transpose", "shard_transpose_out", "topk_decode", "topk_encode")
 
 
-def _lacks(have: list[str]) -> list[str]:
-    return [op for op in OPERATORS if op not in have]
-
-
-# what each feature of ``missing_features`` needs from ``build_info()``: None when it has it, else why not
-FEATURES = {
-    "native": lambda i: (None if not _lacks(i["cpu_kernels"]) else
-                         f"no CPU kernel of {_lacks(i['cpu_kernels'])}") if i["native"] else "",
-    "cuda": lambda i: (None if not _lacks(i["cuda_kernels"]) else
-                       f"no CUDA kernel of {_lacks(i['cuda_kernels'])}") if i["cuda_compiled"] else "",
-    "nccl": lambda i: None if i["nccl_compiled"] is not None else "",
+# what each feature of ``missing_features`` needs from ``build_info()``: the field that says the
+# build has it, and for the kernel features the field that lists their operators, and the device
+FEATURES: dict[str, tuple[str, str | None, str | None]] = {
+    "native": ("native", "cpu_kernels", "CPU"),
+    "cuda": ("cuda_compiled", "cuda_kernels", "CUDA"),
+    "nccl": ("nccl_compiled", None, None),
 }
+
+
+def _lacking(feature: str, info: dict[str, Any]) -> str | None:
+    """None when the build has ``feature``; else why not ("" when it was built without it)."""
+    flag, kernels, device = FEATURES[feature]
+    if info[flag] is None or info[flag] is False:
+        return ""
+    lack = [op for op in OPERATORS if op not in info[kernels]] if kernels else []
+    return f"no {device} kernel of {lack}" if lack else None
 
 
 def missing_features(required: str | list[str], info: dict[str, Any] | None = None) -> list[str]:
@@ -114,9 +118,5 @@ def missing_features(required: str | list[str], info: dict[str, Any] | None = No
         raise ValueError(f"unknown flcomm feature(s) {unknown}; expected some of {sorted(FEATURES)}")
     info = build_info() if info is None else info
     why = info.get("native_error") or "flcomm._C was built without it"
-    out = []
-    for n in names:
-        lack = FEATURES[n](info)
-        if lack is not None:
-            out.append(f"{n}: not in this build ({lack or why})")
-    return out
+    lacking = [(n, _lacking(n, info)) for n in names]
+    return [f"{n}: not in this build ({lack or why})" for n, lack in lacking if lack is not None]

@@ -53,7 +53,6 @@ def test_this_build_passes_with_what_it_has(tmp_path):
 
 def test_the_required_operators_are_every_one_the_bindings_declare():
     from flcomm.info import OPERATORS
-    from tests.common.native_ops import declared_operators
 
     assert set(OPERATORS) == declared_operators()
 
