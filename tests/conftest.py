@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from tests.common.markers import deselect_slow, skip_allowed, skip_reason
+from tests.common.markers import NO_GPU, NO_SECOND_GPU, deselect_slow, skip_allowed, skip_reason, strict_skips
 
 _SKIPS_REFUSED: list[str] = []
 
@@ -28,9 +28,9 @@ def pytest_collection_modifyitems(config, items):
         # NOTE: by marker, not keyword: item.keywords also holds the names of the test's folders,
         # so "gpu" in them would skip the CPU twins that tests/gpu/ keeps beside their GPU tests
         if item.get_closest_marker("gpu") is not None and gpus < 1:
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; none visible"))
+            item.add_marker(pytest.mark.skip(reason=NO_GPU))
         if item.get_closest_marker("multigpu") is not None and gpus < 2:
-            item.add_marker(pytest.mark.skip(reason=f"needs 2+ CUDA GPUs; {gpus} visible"))
+            item.add_marker(pytest.mark.skip(reason=NO_SECOND_GPU.format(gpus)))
 
 
 def _note_skip(report) -> None:
@@ -48,7 +48,7 @@ def pytest_collectreport(report):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if _SKIPS_REFUSED and os.environ.get("FLCOMM_STRICT_SKIPS") == "1":
+    if _SKIPS_REFUSED and strict_skips():
         terminalreporter.section("skips outside the allow-list (tests/common/markers.py SKIP_ALLOWED)", red=True)
         for line in _SKIPS_REFUSED:
             terminalreporter.line(line)
@@ -56,5 +56,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 def pytest_sessionfinish(session, exitstatus):
     """FLCOMM_STRICT_SKIPS=1 (CI): a skip for a reason outside the allow-list fails the run."""
-    if _SKIPS_REFUSED and os.environ.get("FLCOMM_STRICT_SKIPS") == "1" and exitstatus == 0:
+    if _SKIPS_REFUSED and strict_skips() and exitstatus == 0:
         session.exitstatus = 1

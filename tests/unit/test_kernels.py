@@ -16,6 +16,7 @@ import torch
 
 from flcomm import kernels
 from tests.common import format_ref
+from tests.common.markers import NO_AVX512
 
 pytestmark = pytest.mark.skipif(not kernels.native_supports("cpu"),
                                 reason="flcomm._C without quantization kernels (build with tools/dev_build.sh)")
@@ -63,7 +64,7 @@ def cpu_has_avx512() -> bool:
 # FLCOMM_CPU_VEC of each native CPU path (csrc/quant.cpp use_vec: "0" scalar, "avx2" at most
 # AVX2, unset: the best the CPU has).
 VEC_ENV = {"scalar": "0", "avx2": "avx2", "avx512": "avx512"}
-NATIVE_PATHS = [pytest.param("avx512", marks=pytest.mark.skipif(not cpu_has_avx512(), reason="no AVX-512F+BW")),
+NATIVE_PATHS = [pytest.param("avx512", marks=pytest.mark.skipif(not cpu_has_avx512(), reason=NO_AVX512)),
                 pytest.param("avx2", marks=pytest.mark.skipif(not cpu_has_avx2(), reason="no AVX2+F16C"))]
 # The CPU paths: the plain-torch reference, and the native kernels forced to AVX-512, AVX2 or scalar.
 CPU_PATHS = ["torch", *NATIVE_PATHS, "scalar"]
