@@ -2,11 +2,16 @@
 
 Importing flcomm never fails for lack of the extension, a GPU or CUDA: ``native()`` returns the
 module or raises one clear error that says what is missing and how to get it.
+
+``FLCOMM_NATIVE=0`` switches the extension off as if it were not built (it is not even loaded):
+every path then runs on the plain-torch kernels, and the native NCCL transport is unavailable.
+CI runs the unit and dist tiers so, to keep the no-extension mode the README promises honest.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 
 _MODULE: ModuleType | None = None
@@ -17,6 +22,9 @@ def _load() -> None:
     global _MODULE, _ERROR
     if _MODULE is not None or _ERROR is not None:
         return
+    if switched_off():
+        _ERROR = OFF_REASON
+        return
     try:
         import torch  # noqa: F401  (the extension links libtorch; load it first)
 
@@ -26,6 +34,14 @@ def _load() -> None:
             f"flcomm's native extension flcomm._C could not be loaded ({e}). Build it with "
             "`pip install --no-build-isolation -e .` against the torch you run with."
         )
+
+
+OFF_REASON = "flcomm._C switched off (FLCOMM_NATIVE=0): running on the plain-torch kernels"
+
+
+def switched_off() -> bool:
+    """Whether ``FLCOMM_NATIVE=0`` asks for the no-extension mode."""
+    return os.environ.get("FLCOMM_NATIVE", "").strip() == "0"
 
 
 def available() -> bool:

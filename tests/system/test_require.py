@@ -4,6 +4,7 @@ feature; the real build passes."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -112,3 +113,38 @@ def test_the_allow_list_admits_only_missing_hardware():
     for reason in ("transformers is not installed (the hf extra)", "needs 2+ CUDA GPUs", "no ip or tc",
                    "needs a CUDA GPU; none visible, and more"):
         assert not skip_allowed(reason), reason
+
+
+def test_a_skip_for_the_extension_is_allowed_only_when_it_is_switched_off(monkeypatch):
+    from tests.common.markers import skip_allowed
+
+    reason = "Skipped: flcomm._C not built: ModuleNotFoundError: No module named 'flcomm._C'"
+    monkeypatch.delenv("FLCOMM_NATIVE", raising=False)
+    assert not skip_allowed(reason)
+    monkeypatch.setenv("FLCOMM_NATIVE", "1")
+    assert not skip_allowed(reason)
+    monkeypatch.setenv("FLCOMM_NATIVE", "0")
+    assert skip_allowed(reason) and skip_allowed("flcomm._C is not built with the sparse kernels")
+    assert not skip_allowed("transformers is not installed (the hf extra)")
+
+
+def test_flcomm_native_0_switches_the_extension_off():
+    """In fresh processes (the extension loads once per process): with ``FLCOMM_NATIVE=0`` the
+    extension is unavailable with the switch's reason; with ``1`` it loads as it does unset."""
+    from flcomm import _native
+
+    code = "import json, flcomm._native as n; print(json.dumps([n.available(), n.unavailable_reason()]))"
+
+    def probe(value):
+        env = {k: v for k, v in os.environ.items() if k != "FLCOMM_NATIVE"}
+        if value is not None:
+            env["FLCOMM_NATIVE"] = value
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    avail, why = probe("0")
+    assert avail is False and "FLCOMM_NATIVE=0" in why and "plain-torch" in why, why
+    assert probe("1") == probe(None)
+    if not _native.switched_off():
+        assert probe(None)[0] is _native.available()
