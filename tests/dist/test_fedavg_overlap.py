@@ -33,11 +33,14 @@ SUBTRACTIONS = {"sub", "sub_", "__sub__", "__rsub__", "__isub__", "subtract", "r
 class _Interleave:
     """Makes the job in flight copy (stage pieces) between the apply step's copies and its adds:
     the training thread waits before each ``add_`` until the job made a few more ``copy_`` calls
-    (or ended), so a shared scratch is overwritten in between whenever it is shared."""
+    (or ended), so a shared scratch is overwritten in between whenever it is shared. ``met``
+    counts the adds that the job's copies really came between, ``stalled`` the waits that ran
+    out: a probe that never interleaves would prove nothing, so the test asserts on both."""
 
     def __init__(self) -> None:
         self.cv = threading.Condition()
         self.copies, self.running = 0, False
+        self.met = self.stalled = 0
 
     def job_copied(self) -> None:
         with self.cv:
@@ -52,7 +55,10 @@ class _Interleave:
     def before_add(self) -> None:
         with self.cv:
             c0 = self.copies
-            self.cv.wait_for(lambda: self.copies >= c0 + 3 or not self.running, timeout=5)
+            if not self.cv.wait_for(lambda: self.copies >= c0 + 3 or not self.running, timeout=5):
+                self.stalled += 1
+            elif self.copies >= c0 + 3:
+                self.met += 1
 
 
 class _Record(torch.overrides.TorchFunctionMode):
@@ -129,7 +135,7 @@ def _run(rank: int, world: int, offload: str | None) -> dict:
         del fed._engine.submit
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
-            "steps": steps, "job_reads": job_reads, "syncs": fed.num_syncs,
+            "steps": steps, "job_reads": job_reads, "syncs": fed.num_syncs, "met": mix.met, "stalled": mix.stalled,
             "numels": [fr.exchange.bar.bucket_numels for fr in fed._frags]}
 
 
@@ -147,6 +153,8 @@ def test_offload_with_overlapping_fragments_is_bit_identical_to_the_device_run(r
         off, dev = r["offload"], r["device"]
         assert off["numels"] == dev["numels"]
         assert off["syncs"] == dev["syncs"] == T  # one fragment syncs at every step
+        # NOTE: the job's copies came between the apply's adds (else the equality shows nothing)
+        assert off["met"] > 0 and off["stalled"] == 0, (off["met"], off["stalled"])
         for n, p in dev["params"].items():
             assert torch.equal(off["params"][n], p), (n, float((off["params"][n] - p).abs().max()))
 
