@@ -20,22 +20,59 @@ def simulate_ring(xs: list[torch.Tensor], name: str) -> torch.Tensor:
     return partial / len(xs)
 
 
+def _run_plans(xs: list[torch.Tensor], name: str) -> list[torch.Tensor]:
+    """flcomm's two-hop plan (``TwoHopPlan``) on ``len(xs)`` ranks in one process, stage by
+    stage in lockstep (tests/common/lockstep.py): each rank's AVG result."""
+    from flcomm.collectives.compressed import TwoHopPlan
+    from flcomm.comm.base import ReduceOp
+    from tests.common.lockstep import LockstepWorld
+
+    world = LockstepWorld(len(xs))
+    plans = [TwoHopPlan(t, xs[0].numel(), get_codec(name), ReduceOp.AVG, torch.device("cpu")) for t in world.ranks]
+    outs = [x.clone() for x in xs]
+    for plan, out in zip(plans, outs):
+        plan.encode_scatter(out, None)
+    for plan in plans:
+        plan.reduce_gather()
+    for plan in plans:
+        plan.decode_result()
+    return outs
+
+
 def test_error_does_not_grow_with_world_size():
-    """AVG of W i.i.d. inputs through int8: the two-hop error stays within its bound and flat in
-    W, while re-quantizing along a ring grows with W (the simulation is the implementation's
-    bit-for-bit twin, see the grid tests of tests/dist/test_compressed.py)."""
+    """AVG of W i.i.d. inputs through int8, up to 32 ranks: flcomm's two-hop plan gives every
+    rank the same result, bit for bit the independent simulation's (tests/common/two_hop.py),
+    within its bound and with an error flat in W, while re-quantizing along a ring grows with W
+    (the dist grid of tests/dist/test_compressed.py checks the same on real process groups, to
+    4 ranks)."""
     n = 4096
     two_hop, ring = {}, {}
     for W in (2, 8, 32):
         xs = [rank_input(r, 77, n, 1.0) for r in range(W)]
         exact = sum(xs) / W
-        out, reduced, _ = simulate_two_hop(xs, "int8", "avg")
+        outs = _run_plans(xs, "int8")
+        sim, reduced, _ = simulate_two_hop(xs, "int8", "avg")
+        for r, out in enumerate(outs):
+            assert torch.equal(out, sim), (W, r, float((out - sim).abs().max()))
         bound = two_hop_bound(xs, reduced, "int8", "avg")
-        assert bool(((out - exact).abs() <= bound).all()), W
-        two_hop[W] = float((out - exact).abs().mean())
+        assert bool(((outs[0] - exact).abs() <= bound).all()), W
+        two_hop[W] = float((outs[0] - exact).abs().mean())
         ring[W] = float((simulate_ring(xs, "int8") - exact).abs().mean())
     assert two_hop[32] <= 1.5 * two_hop[2], two_hop
     assert ring[32] >= 2 * two_hop[32], (ring, two_hop)
+
+
+def test_the_lockstep_stand_in_refuses_a_wait_a_real_transport_would_block_on():
+    """tests/common/lockstep.py fails loudly where a real transport would hang."""
+    from flcomm.collectives.compressed import TwoHopPlan
+    from flcomm.comm.base import ReduceOp
+    from tests.common.lockstep import LockstepWorld
+
+    world = LockstepWorld(3)
+    plans = [TwoHopPlan(t, 1024, get_codec("int8"), ReduceOp.AVG, torch.device("cpu")) for t in world.ranks]
+    plans[0].encode_scatter(torch.ones(1024), None)
+    with pytest.raises(RuntimeError, match=r"all_to_all #0 waited for before ranks \[1, 2\] issued it"):
+        plans[0].reduce_gather()
 
 
 def test_two_hop_plan_stages_are_named_and_ordered():
