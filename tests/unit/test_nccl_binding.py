@@ -18,7 +18,8 @@ from flcomm import _native
 
 pytestmark = pytest.mark.skipif(
     not (_native.available() and _native.native().compiled_with_nccl()),
-    reason="flcomm built without NCCL")
+    reason="flcomm._C " + ("built without NCCL" if _native.available()
+                           else f"not built: {_native.unavailable_reason()}"))
 
 # pybind11 2.x writes `int`, 3.x `typing.SupportsInt | typing.SupportsIndex` for an int argument
 PARAM = re.compile(r"(\w+): ([^=,]+?)(?: = ([^,]+))?(?:, |$)")

@@ -18,7 +18,8 @@ from flcomm.comm.nccl import NcclTransport, check_no_open_group, open_group_dept
 
 pytestmark = pytest.mark.skipif(
     not (_native.available() and _native.native().compiled_with_nccl()),
-    reason="flcomm built without NCCL")
+    reason="flcomm._C " + ("built without NCCL" if _native.available()
+                           else f"not built: {_native.unavailable_reason()}"))
 
 
 def C():
