@@ -677,10 +677,13 @@ def _fsdp_hook_race(rank: int, world: int) -> dict:
     # NOTE: on one rank the all-reduce changes nothing, so each hook then scales the buffer in
     # place: a buffer reused by the next reduce-scatter while the (slow) hook still runs would
     # show in the gradients.
+    calls = {"n": 0}
+
     class ScaleHook(ReplicateAllReduceHook):
         sleep_cycles = 0
 
         def __call__(self, reduce_output):
+            calls["n"] += 1
             super().__call__(reduce_output)
             if self.sleep_cycles:
                 torch.cuda._sleep(self.sleep_cycles)
@@ -690,6 +693,7 @@ def _fsdp_hook_race(rank: int, world: int) -> dict:
         sleep_cycles = CYCLES_PER_S // 50
 
     def grads(hook_cls) -> list[torch.Tensor]:
+        """The gradients after 3 steps with ``hook_cls`` on every FSDP module (None: no hook)."""
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)]).cuda()
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -697,7 +701,7 @@ def _fsdp_hook_race(rank: int, world: int) -> dict:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         for m in model.modules():
-            if isinstance(m, FSDPModule):
+            if isinstance(m, FSDPModule) and hook_cls is not None:
                 m.set_all_reduce_hook(hook_cls(transport))
         x = torch.randn(64, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
         for _ in range(3):
@@ -706,19 +710,30 @@ def _fsdp_hook_race(rank: int, world: int) -> dict:
         torch.cuda.synchronize()
         return [p.grad.full_tensor().cpu() for p in model.parameters()]
 
-    ref, got = grads(ScaleHook), grads(SleepyHook)
+    # NOTE: the positive control (review D16): without a hook every gradient is twice the
+    # hooked one (x0.5 is exact in fp32), so a hook that FSDP skipped cannot pass as equal
+    plain = grads(None)
+    ref = grads(ScaleHook)
+    ref_calls = calls["n"]
+    got = grads(SleepyHook)
     diff = [i for i, (a, b) in enumerate(zip(ref, got)) if not torch.equal(a, b)]
-    return {"params": len(ref), "differ": diff}
+    unhooked = [i for i, (a, b) in enumerate(zip(ref, plain)) if not torch.equal(a * 2, b)]
+    return {"params": len(ref), "differ": diff, "not_halved": unhooked,
+            "hook_calls": [ref_calls, calls["n"] - ref_calls]}
 
 
 @needs_nccl
 @pytest.mark.gpu
 @pytest.mark.timeout(180)
 def test_fsdp2_hook_with_mixed_precision_and_a_slow_hook():
-    """Item 5. Pass rule: every gradient equals the reference run (same hook, no sleep)."""
+    """Item 5. Pass rule: every gradient equals the reference run (same hook, no sleep), the hook
+    ran on every layer at every step, as often in both runs, and the
+    reference's gradients are half the hook-less run's (the hook's effect seen)."""
     (res,) = run_distributed(_fsdp_hook_race, 1, timeout=150, backend="nccl")
     figure("test_fsdp2_hook_with_mixed_precision_and_a_slow_hook", **res)
-    assert res["params"] == 16 and res["differ"] == [], res
+    assert res["params"] == 16 and res["differ"] == [] and res["not_halved"] == [], res
+    # NOTE: 8 layers with parameters x 3 steps at least (the root holds none of its own)
+    assert res["hook_calls"][0] == res["hook_calls"][1] >= 24, res
 
 
 # ---------------------------------------------------------------- 5. offload, bf16, fragments
