@@ -29,13 +29,14 @@ from flcomm.train.netns import PREFIX, ClusterError, ClusterSpec, EmulatedCluste
 
 def selfcheck(spec: ClusterSpec, ranks_per_node: int = 2, size_mb: float = 4.0, iters: int = 3,
               timeout: float = 180.0, python: str = sys.executable,
-              log: Callable[[str], None] = print) -> dict:
+              log: Callable[[str], None] = print, tag: str | None = None) -> dict:
     """Measure the tiers of an emulated cluster with gloo all_reduce and compare the inter-node
     figure with the tbf rate.
 
     Steps: bring the cluster up; run ``python -m flcomm.costmodel --measure`` on every rank
     (all-reduces inside each node, then across nodes); read its JSON; tear down.
-    Returns the measurement plus ``shaped_bits`` and ``inter_over_shaped``.
+    Returns the measurement plus ``shaped_bits`` and ``inter_over_shaped``. ``tag`` names the
+    cluster's namespaces (:class:`EmulatedCluster`; default: a random one).
     """
     if spec.nodes < 2 or ranks_per_node < 2:
         raise ValueError(f"selfcheck needs >= 2 nodes and >= 2 ranks per node to see both tiers, "
@@ -47,7 +48,7 @@ def selfcheck(spec: ClusterSpec, ranks_per_node: int = 2, size_mb: float = 4.0, 
                 "--ranks-per-node", str(ranks_per_node), "--measure-mb", str(size_mb),
                 "--measure-iters", str(iters), "--measure-json", out]
         env = {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        with EmulatedCluster(spec) as c:
+        with EmulatedCluster(spec, tag=tag) as c:
             c.launch(argv, ranks_per_node, env=env, timeout=timeout, stream_rank0=False,
                      log_dir=os.path.join(tmp, "logs"), cwd=root)
         with open(out) as f:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -25,8 +26,15 @@ needs_root = pytest.mark.skipif(
            f"running as uid {os.geteuid()}")
 
 
-def _ours() -> set[str]:
-    return set(netns.list_namespaces())
+def _tag() -> str:
+    """A tag no other test or process on the host uses (review F9: clusters made beside this test,
+    by a parallel worker or a benchmark, must not show in its before/after comparison)."""
+    return "t" + uuid.uuid4().hex[:7]
+
+
+def _ours(tag: str) -> set[str]:
+    """The namespaces on the host under ``tag``, and only those."""
+    return set(netns.list_namespaces(netns.PREFIX + tag))
 
 
 def test_without_root_it_says_so(monkeypatch):
@@ -42,12 +50,12 @@ def test_without_root_it_says_so(monkeypatch):
 
 @needs_root
 def test_layout_isolation_and_teardown_on_error():
-    before = _ours()
+    tag = _tag()
     host_addrs = subprocess.run(["ip", "-br", "addr"], capture_output=True, text=True).stdout
     with pytest.raises(RuntimeError, match="boom"):
-        with EmulatedCluster(ClusterSpec(3, rate="50mbit")) as c:
+        with EmulatedCluster(ClusterSpec(3, rate="50mbit"), tag=tag) as c:
             made = set(c.namespaces)
-            assert made == {c.switch, c.ns(0), c.ns(1), c.ns(2)} and made.isdisjoint(before)
+            assert made == {c.switch, c.ns(0), c.ns(1), c.ns(2)} == _ours(tag)
             # the subnet exists only inside the nodes, never in the host namespace
             assert netns.SUBNET not in subprocess.run(["ip", "-br", "addr"], capture_output=True,
                                                       text=True).stdout
@@ -66,15 +74,15 @@ def test_layout_isolation_and_teardown_on_error():
                                          capture_output=True, text=True, timeout=30)
                     assert got.stdout.strip() == c.ns(i), (addr, got.stdout, got.stderr)
             raise RuntimeError("boom")
-    assert _ours() == before
+    assert _ours(tag) == set()
     assert not any(os.path.exists(os.path.join(netns.NETNS_ETC, ns)) for ns in made)
     assert subprocess.run(["ip", "-br", "addr"], capture_output=True, text=True).stdout == host_addrs
 
 
 @needs_root
 def test_launch_env_pin_failure_and_timeout(tmp_path):
-    before = _ours()
-    with EmulatedCluster(ClusterSpec(2)) as c:
+    tag = _tag()
+    with EmulatedCluster(ClusterSpec(2), tag=tag) as c:
         code = ("import os, sys; e = os.environ; "
                 "sys.exit(0 if (e['WORLD_SIZE'], e['MASTER_ADDR'], e['GLOO_SOCKET_IFNAME']) "
                 "== ('4', '10.99.0.1', 'fl0') "
@@ -98,28 +106,28 @@ def test_launch_env_pin_failure_and_timeout(tmp_path):
         with pytest.raises(ClusterError, match="did not finish within 2 s"):
             c.launch([sys.executable, "-c", "import time; time.sleep(60)"], 2, timeout=2, stream_rank0=False)
         assert all(netns._namespace_pids(ns) == [] for ns in c.namespaces)
-    assert _ours() == before
+    assert _ours(tag) == set()
 
 
 @needs_root
 def test_cleanup_removes_a_leaked_cluster():
-    before = _ours()
-    c = EmulatedCluster(ClusterSpec(2), tag="leak1")
+    tag = _tag()
+    c = EmulatedCluster(ClusterSpec(2), tag=tag)
     c._create()  # as if the process had been SIGKILLed after setting up
-    assert _ours() - before == {c.switch, c.ns(0), c.ns(1)}
-    gone = netns.cleanup(netns.PREFIX + "leak1")
+    assert _ours(tag) == {c.switch, c.ns(0), c.ns(1)}
+    gone = netns.cleanup(netns.PREFIX + tag)
     assert set(gone) == {c.switch, c.ns(0), c.ns(1)}
-    assert _ours() == before
+    assert _ours(tag) == set()
 
 
 @needs_root
 @pytest.mark.timeout(240)
 def test_inter_node_is_shaped_and_intra_node_is_not():
     """gloo all_reduce inside a node (loopback, unshaped) vs across nodes (two tbf veths)."""
-    before = _ours()
+    tag = _tag()
     spec = ClusterSpec(2, rate="100mbit")
-    res = selfcheck(spec, ranks_per_node=2, size_mb=2.0, iters=2, timeout=150, log=lambda s: None)
-    assert _ours() == before
+    res = selfcheck(spec, ranks_per_node=2, size_mb=2.0, iters=2, timeout=150, log=lambda s: None, tag=tag)
+    assert _ours(tag) == set()
     # the shaper is an upper bound (burst lets a little through above rate); well under it means
     # the link was not the bottleneck or shaping is misconfigured
     assert 0.3 < res["inter_over_shaped"] < 1.3, res
@@ -154,21 +162,22 @@ def test_sigterm_tears_down_and_sigkill_leaves_nothing_running():
     import signal
     import time
 
-    before = _ours()
-    p = _hold("sigt1")
+    tag = _tag()
+    p = _hold(tag)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=30)
     assert "tearing the cluster down" in err
-    assert _ours() == before
+    assert _ours(tag) == set()
     # SIGKILL: no teardown can run, but the ranks die with the launcher; cleanup removes the rest
-    p = _hold("sigk1")
+    tag = _tag()
+    p = _hold(tag)
     p.kill()
     p.wait(timeout=10)
-    names = [f"{netns.PREFIX}sigk1n{i}" for i in range(2)]
+    names = [f"{netns.PREFIX}{tag}n{i}" for i in range(2)]
     for _ in range(100):
         if not any(netns._namespace_pids(ns) for ns in names):
             break
         time.sleep(0.05)
     assert not any(netns._namespace_pids(ns) for ns in names)
-    assert set(netns.cleanup(netns.PREFIX + "sigk1")) == {*names, f"{netns.PREFIX}sigk1sw"}
-    assert _ours() == before
+    assert set(netns.cleanup(netns.PREFIX + tag)) == {*names, f"{netns.PREFIX}{tag}sw"}
+    assert _ours(tag) == set()
