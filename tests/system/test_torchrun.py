@@ -3,6 +3,8 @@
 ``python -m flcomm.train --strategy fl-fsdp`` on gloo, with the c10d rendezvous (torchrun
 ignores ``--node-rank`` there and orders the nodes by host name) and with the static one (the
 node ranks as given; what a cluster recipe uses to keep federation groups on network cells).
+With c10d the test hosts the rendezvous store itself, on a port the kernel picked and kept
+bound, so no other process can take it between picking and binding (review F11).
 
 Checks that both agents exit 0 within a time limit, that the run trained (loss fell, the
 FedAvg syncs happened, bytes crossed between the groups), and that the ranks per node came
@@ -30,6 +32,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
+from datetime import timedelta
 
 import pytest
 
@@ -86,11 +90,32 @@ def _stop(agents: list[subprocess.Popen], tag: bytes) -> list[int]:
 
 
 def free_port() -> int:
-    """A port for torchrun's rendezvous (torchrun binds it itself, so it can only be picked here
-    and handed over)."""
+    """A port for torchrun's static rendezvous, which binds it itself in agent 0 (so it can only be
+    picked here and handed over: a port another process may take in between; the c10d
+    rendezvous below has no such window)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def _rendezvous(rdzv_backend: str):
+    """``(port, rendezvous arguments)``. c10d: the test hosts the rendezvous store itself, on a
+    port the kernel picked and that stays bound for the whole run, and both agents join it as
+    clients (``is_host=false``); agent 0 then hosts its workers' store on a port the kernel picks
+    (torchrun shares its TCP store). static: :func:`free_port`."""
+    if rdzv_backend != "c10d":
+        port = free_port()
+        yield port, ["--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        return
+    from flcomm.train.launch import bound_store
+
+    store = bound_store("127.0.0.1", 3, timedelta(seconds=300))
+    try:
+        yield store.port, ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}",
+                           "--rdzv-id", f"flcomm-{store.port}", "--rdzv-conf", "is_host=false"]
+    finally:
+        del store
 
 
 def _agents(tmp_path, train_args: list[str], rdzv_backend: str = "c10d", env: dict | None = None,
@@ -99,7 +124,11 @@ def _agents(tmp_path, train_args: list[str], rdzv_backend: str = "c10d", env: di
     waits until both exited, one failed, ``until()`` holds or ``wall_s`` passed, then stops
     whatever is left. Returns the agents' exit codes (None: still running) and the pids that
     had to be killed."""
-    port = free_port()
+    with _rendezvous(rdzv_backend) as (port, rdzv):
+        return _run_agents(tmp_path, train_args, port, rdzv, rdzv_backend, env, wall_s, until)
+
+
+def _run_agents(tmp_path, train_args, port, rdzv, rdzv_backend, env, wall_s, until):
     tag = f"{os.getpid()}-{port}-{rdzv_backend}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "FLCOMM_TEST_TAG": tag, **(env or {})}
@@ -108,9 +137,6 @@ def _agents(tmp_path, train_args: list[str], rdzv_backend: str = "c10d", env: di
         for node in range(2):
             log = open(tmp_path / f"agent{node}.log", "w")
             logs.append(log)
-            rdzv = (["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"flcomm-{port}"]
-                    if rdzv_backend == "c10d" else
-                    ["--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(port)])
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", *rdzv,
                    "--node-rank", str(node), "--max-restarts", "0", "--monitor-interval", "0.5",
                    "-m", "flcomm.train", *train_args]
