@@ -8,8 +8,9 @@
   global ranks of the groups, not by object identity (a mesh of one's own over the same ranks
   is fine). A trainable plain parameter (no FSDP, no DDP) in a group of more than one rank is
   refused unless the user says it is kept equal by other means (``replicated=True``).
-* :class:`StepOrder` (when FedAvg knows the optimizer): ``FedAvg.step()`` must follow
-  ``optimizer.step()``; an optimizer step post-hook counts the optimizer steps.
+* :class:`StepOrder`: ``FedAvg.step()`` must follow ``optimizer.step()``; a step post-hook of
+  the optimizer FedAvg is given counts its steps or, given none, a global one those of any
+  torch optimizer over the model's parameters.
 * :class:`ReplicaCheck` (``verify=True``): after each applied sync the ranks of the fed group
   compare a 64-bit hash of what must be equal there (:func:`tensor_hash`); the replicas of a
   shard (R > 1) and, for plain parameters, the whole federation group compare theirs as of the
@@ -21,11 +22,13 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 if TYPE_CHECKING:
     from flcomm.comm.base import Transport
@@ -201,15 +204,41 @@ def check_sharding(model: nn.Module, mesh: FedMesh, kind: str, replicated: bool)
 
 # ---------------------------------------------------------------- the step order
 class StepOrder:
-    """``FedAvg.step()`` must come after ``optimizer.step()``: a step post-hook on each watched
-    optimizer counts its steps, and :meth:`check` refuses a FedAvg step with none since the
-    previous one (called before the optimizer step, or twice: by hand and through ``attach``)."""
+    """``FedAvg.step()`` must come after ``optimizer.step()``: called before it, the groups end
+    apart by the last local step (about 1e-2 on the README's loop), with no other sign.
 
-    def __init__(self, optimizer: torch.optim.Optimizer | None) -> None:
+    Rules (:meth:`check` runs at every ``FedAvg.step()``):
+
+    1. An optimizer FedAvg is given (``FedAvg(optimizer=)``, :meth:`FedAvg.attach`) counts its
+       steps through a step post-hook of its own; a FedAvg step with none since the previous one
+       is refused (unless ``skipped=True``).
+    2. Without one, a global optimizer step post-hook
+       (``torch.optim.optimizer.register_optimizer_step_post_hook``) counts the steps of every
+       torch optimizer that holds one of the model's parameters. From the first such step on,
+       rule 1 holds. A FedAvg step before any such step, with none before it, is remembered and
+       refused at the first FedAvg step after an optimizer step showed that there is one (the
+       loop that calls ``fed.step()`` before ``optimizer.step()`` stops at its second step).
+    3. A loop with no torch optimizer over the model's parameters is never refused.
+
+    The global hook holds the checker weakly and goes when it does."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, model: nn.Module | None = None) -> None:
         self.pending = 0
         self._watched: set[int] = set()
+        self._seen = False  # NOTE: rule 2: an optimizer over the model's parameters stepped
+        self._early: int | None = None
+        self._params = {id(p) for p in model.parameters()} if model is not None else set()
+        self._holds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         if optimizer is not None:
             self.watch(optimizer)
+        elif self._params:
+            me = weakref.ref(self)
+
+            def seen(opt: torch.optim.Optimizer, *_: Any) -> None:
+                if (order := me()) is not None:
+                    order._seen_step(opt)
+
+            weakref.finalize(self, register_optimizer_step_post_hook(seen).remove)
 
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
         """Count ``optimizer``'s steps (once per optimizer; before any hook registered later)."""
@@ -220,16 +249,37 @@ class StepOrder:
     def _count(self, *_: Any) -> None:
         self.pending += 1
 
+    def _seen_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Rule 2: a step of ``optimizer``, counted when it holds one of the model's parameters."""
+        if id(optimizer) in self._watched:
+            return  # NOTE: counted by its own hook
+        holds = self._holds.get(optimizer)
+        if holds is None:
+            holds = self._holds[optimizer] = any(id(p) in self._params for g in optimizer.param_groups
+                                                 for p in g["params"])
+        if holds:
+            self._seen = True
+            self.pending += 1
+
     def check(self, step: int, skipped: bool) -> None:
-        """RuntimeError when local step ``step`` came with no optimizer step (and not ``skipped``)."""
-        if self._watched and not self.pending and not skipped:
-            raise RuntimeError(
-                f"FedAvg.step() for local step {step} came with no optimizer.step() since the previous "
-                "FedAvg.step(): call fed.step() once after optimizer.step() in every step (before it, the groups "
-                "end apart by the last local step), or fed.attach(optimizer) once and no fed.step() by hand; "
-                "a step whose optimizer step was skipped on purpose (non-finite gradients) is "
-                "fed.step(skipped=True)")
+        """RuntimeError when local step ``step`` came with no optimizer step (and not ``skipped``),
+        or (rule 2) an earlier one did."""
+        if not skipped and (self._watched or self._seen):
+            if self._early is not None:
+                raise RuntimeError(
+                    f"FedAvg.step() for local step {self._early} came before any optimizer.step() of an "
+                    "optimizer holding the model's parameters (one has stepped since): " + _ORDER_FIX)
+            if not self.pending:
+                raise RuntimeError(f"FedAvg.step() for local step {step} came with no optimizer.step() since the "
+                                   "previous FedAvg.step(): " + _ORDER_FIX)
+        elif not skipped and self._early is None:
+            self._early = step
         self.pending = 0
+
+
+_ORDER_FIX = ("call fed.step() once after optimizer.step() in every step (before it, the groups end apart by the "
+              "last local step), or fed.attach(optimizer) once and no fed.step() by hand; a step whose optimizer "
+              "step was skipped on purpose (non-finite gradients) is fed.step(skipped=True)")
 
 
 # ---------------------------------------------------------------- the replica check

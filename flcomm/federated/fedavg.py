@@ -140,8 +140,8 @@ class FedAvg:
         config: the settings, a :class:`~flcomm.federated.config.FedAvgConfig` (its fields say
             what each one does); keyword ``settings`` replace fields of it (or of the default
             config): ``FedAvg(model, mesh, sync_every=8, codec="int8", overlap_steps="auto")``.
-        optimizer: the inner optimizer (needed by ``inner_state`` average / reset); :meth:`step` then
-            checks that it follows ``optimizer.step()`` (as with :meth:`attach`).
+        optimizer: the inner optimizer (needed by ``inner_state`` average / reset). :meth:`step`
+            must follow ``optimizer.step()``, checked with or without it (:class:`StepOrder`).
         replicated: plain (not FSDP) parameters in a group of more than one rank are kept equal
             over the group by other means (e.g. your own gradient all-reduce); else refused.
             DistributedDataParallel over the group is recognized without it.
@@ -190,7 +190,7 @@ class FedAvg:
         self._outer = OuterOptimizer(self.outer_kind, cfg.outer_lr, cfg.outer_momentum)
         self.kind, self.slots = collect_slots(model)
         check_sharding(model, mesh, self.kind, replicated)
-        self._order = StepOrder(optimizer)
+        self._order = StepOrder(optimizer, model)
         if self.federated:
             self._init_federated(sync_init)
         self._checkpoint = FedAvgCheckpoint(

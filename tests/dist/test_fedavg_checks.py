@@ -7,7 +7,9 @@ gloo ranks: FL+FSDP (F = 2, G = S = 2), FL+HSDP (F = 2, G = 2, S = 1, R = 2) and
   DDP over the world are refused, naming what was expected and the fix; ``replicated=True``,
   DDP over the group, a DeviceMesh of one's own over the right ranks and one-rank groups pass.
 * The step order: ``fed.step()`` before ``optimizer.step()``, or by hand besides ``attach``,
-  raises; ``skipped=True`` passes.
+  raises; ``skipped=True`` passes; without ``optimizer=`` (the README's loop) the right order
+  passes and the wrong one stops at its second step; an optimizer over other parameters, or
+  none, is not counted.
 * ``verify=True`` passes on every mode (codec none / int8 + error feedback, overlap, fragments,
   nesterov, offload, FL+HSDP with the sharded exchange, FSDP1, DDP) and leaves the training
   bit for bit as without it; the blocking runs' fed groups really are equal (all_gather of the
@@ -141,9 +143,29 @@ def _step_order(rank: int, world: int) -> dict:
     assert fed2.steps == 3 and fed2.num_syncs == 1
     with pytest.raises(RuntimeError, match="local step 4 came with no optimizer.step"):
         fed2.step()
-    # without the optimizer nothing is checked
+    # no torch optimizer over the model's parameters: nothing to check against
     fed3 = FedAvg(model2, fm2, sync_every=3)
     assert fed3.step() is False and fed3.steps == 1
+    other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    other.step()  # NOTE: an optimizer over other parameters is not the model's
+    assert fed3.step() is False and fed3.steps == 2
+    # the README's loop, which gives FedAvg no optimizer: the right order passes...
+    _, model4, opt4 = build(world, 2, None, "fsdp2", mesh=fm2)
+    fed4 = FedAvg(model4, fm2, sync_every=2)
+    assert train(fm2, model4, opt4, fed4, range(1, 5)) == [False, True, False, True]
+    # ...and fed.step() before optimizer.step() stops at the second step, naming the first
+    _, model5, opt5 = build(world, 2, None, "fsdp2", mesh=fm2)
+    fed5 = FedAvg(model5, fm2, sync_every=2)
+    loss_fn(model5, *batch(c.group, c.index, 1)).backward()
+    assert fed5.step() is False  # NOTE: no optimizer has stepped yet: none is known
+    opt5.step()
+    opt5.zero_grad()
+    loss_fn(model5, *batch(c.group, c.index, 2)).backward()
+    with pytest.raises(RuntimeError, match=r"FedAvg.step\(\) for local step 1 came before any optimizer.step\(\) of "
+                                           r"an optimizer holding the model's parameters \(one has stepped since\): "
+                                           r"call fed.step\(\) once after optimizer.step\(\)"):
+        fed5.step()
+    assert fed5.steps == 1 and fed5.num_syncs == 0
     return {}
 
 
