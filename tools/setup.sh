@@ -57,7 +57,7 @@ if [ "$LEAN" = 1 ]; then
   # NOTE: --no-deps: pip would otherwise resolve torch's own requirements (the CUDA wheels) again.
   # The list is pyproject's dependencies and [test,plot,hf] extras, less torch.
   "$VENV/bin/pip" install -q "setuptools>=77,<82" wheel ninja numpy tqdm "pytest>=8" pytest-timeout \
-    "pytest-xdist>=3.5" hypothesis matplotlib "transformers>=4.57"
+    "pytest-xdist>=3.5" hypothesis matplotlib "ruff>=0.17,<0.18" "transformers>=4.57"
 fi
 case "${FLCOMM_SETUP:-all}" in
   all) ;;

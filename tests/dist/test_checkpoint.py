@@ -11,14 +11,14 @@ import os
 import pytest
 import torch
 
+from flcomm.federated.config import FedAvgConfig
 from flcomm.train import checkpoint as ckpt
 from flcomm.train.checkpoint import check_before_launch
-from flcomm.federated.config import FedAvgConfig
 from flcomm.train.config import TrainConfig
 from tests.common.dist import run_distributed
 
-BASE = dict(strategy="fl-fsdp", ranks_per_node=2, fedavg=FedAvgConfig(sync_every=2), model="tiny", steps=6, batch_size=2,
-            seq_len=32, lr=3e-3, warmup=1, eval_batches=1, eval_fraction=0.05, max_tokens=300_000,
+BASE = dict(strategy="fl-fsdp", ranks_per_node=2, fedavg=FedAvgConfig(sync_every=2), model="tiny", steps=6,
+            batch_size=2, seq_len=32, lr=3e-3, warmup=1, eval_batches=1, eval_fraction=0.05, max_tokens=300_000,
             progress=False, seed=0)
 
 
@@ -232,8 +232,8 @@ class _Boom:
 
 def _load_rank_state(rank: int, world: int, path: str) -> str:
     from flcomm.federated.topology import Topology
-    from flcomm.train.run import build_run
     from flcomm.train.monitor import Monitor
+    from flcomm.train.run import build_run
 
     cfg = TrainConfig(**BASE)
     run = build_run(cfg, Monitor(None, rank, world))

@@ -26,8 +26,7 @@ import torch
 
 from flcomm.federated.config import FedAvgConfig
 from tests.common.dist import run_distributed, run_parts
-from tests.common.fedavg_harness import (ATOL, CODEC_TOL, build, fed_mesh, full_state, resume_from, run_case,
-                                         train)
+from tests.common.fedavg_harness import ATOL, CODEC_TOL, build, fed_mesh, full_state, resume_from, run_case, train
 from tests.common.fedavg_sim import make_model
 
 pytestmark = pytest.mark.timeout(900)  # a hang guard; the machine may be heavily shared
@@ -48,8 +47,8 @@ def _data(group: int, shard: int, what: str) -> list[torch.Tensor]:
 
 
 def _exchange(fm, codec: str, ef: bool, sharded: bool, replicate):
-    from flcomm.comm.engine import get_engine
     from flcomm.codecs import get_codec
+    from flcomm.comm.engine import get_engine
     from flcomm.federated.exchange import DeltaExchange
 
     c = fm.coords
@@ -103,8 +102,8 @@ def _exchange_worker(rank: int, world: int) -> dict:
                 plain.load_state_dict(sd)
             out[codec]["residual_nonzero"] = all(bool(r.abs().sum() > 0) for r in shard.bar.residuals())
     # the paper's mode, in place in bf16, many buckets (tensors span buckets and slices)
-    from flcomm.comm.engine import get_engine
     from flcomm.codecs import get_codec
+    from flcomm.comm.engine import get_engine
     from flcomm.federated.exchange import DeltaExchange
 
     c = fm.coords

@@ -110,7 +110,10 @@ def _full_params(model: nn.Module) -> list[torch.Tensor]:
     return [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
-def _compare(a: tuple[list[float], list[torch.Tensor]], b: tuple[list[float], list[torch.Tensor]]) -> tuple[float, float]:
+Run = tuple[list[float], list[torch.Tensor]]
+
+
+def _compare(a: Run, b: Run) -> tuple[float, float]:
     """(max loss difference, max parameter difference)."""
     dl = max(abs(x - y) for x, y in zip(a[0], b[0], strict=True))
     dp = max((x - y).abs().max().item() for x, y in zip(a[1], b[1], strict=True))
@@ -121,7 +124,6 @@ def _compare(a: tuple[list[float], list[torch.Tensor]], b: tuple[list[float], li
 
 def _fsdp2_runs(rank: int, world: int, local: int, with_compressed: bool, with_hsdp: bool = True,
                 transport: str = "torch") -> dict:
-    from flcomm.collectives.hierarchical import Hierarchy
     from flcomm.federated.strategy import Strategy
     from flcomm.fsdp.fsdp2 import apply_all_reduce_hook, apply_hierarchical_collectives
 
@@ -246,7 +248,6 @@ def _fsdp1_runs(rank: int, world: int, local: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.fsdp import ShardingStrategy
 
-    from flcomm.collectives.hierarchical import Hierarchy
     from flcomm.federated.strategy import Strategy
 
     fm = Strategy.FSDP.topology(world, local).build()
@@ -288,7 +289,8 @@ def test_fsdp1_hierarchical_hook_2x2():
         dl, dp = r[strategy]
         assert dl <= LOSS_TOL and dp <= PARAM_TOL, (strategy, r[strategy])
     assert "HYBRID_SHARD" in r["errors"]["hybrid"]
-    assert "FSDP's process group has 2 ranks" in r["errors"]["group"] and "2 nodes x 2 ranks = 4" in r["errors"]["group"]
+    assert "FSDP's process group has 2 ranks" in r["errors"]["group"]
+    assert "2 nodes x 2 ranks = 4" in r["errors"]["group"]
 
 
 # ---------------------------------------------------------------- registration
@@ -299,10 +301,13 @@ def _registration(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
-    from flcomm.collectives.hierarchical import Hierarchy
     from flcomm.federated.strategy import Strategy
-    from flcomm.fsdp.fsdp2 import (HierarchicalAllGather, HierarchicalReduceScatter, apply_all_reduce_hook,
-                                   apply_hierarchical_collectives)
+    from flcomm.fsdp.fsdp2 import (
+        HierarchicalAllGather,
+        HierarchicalReduceScatter,
+        apply_all_reduce_hook,
+        apply_hierarchical_collectives,
+    )
 
     fm = Strategy.HSDP.topology(world, 2).build()  # shard = one node; "group" spans both nodes
     hier = fm.hierarchy("group")
@@ -325,7 +330,8 @@ def _registration(rank: int, world: int) -> dict:
     # the async all-gather hands FSDP a dist.Work, the sync one None
     full = torch.empty(world * 3)
     w = ag(full, torch.full((3,), float(rank)), world_pg, async_op=True)
-    ok_async = isinstance(w, dist.Work) and w.wait() and torch.equal(full, torch.arange(world).float().repeat_interleave(3))
+    want = torch.arange(world).float().repeat_interleave(3)
+    ok_async = isinstance(w, dist.Work) and w.wait() and torch.equal(full, want)
     out = torch.empty(6)
     none = rs(out, x.clone(), world_pg, dist.ReduceOp.AVG)
     want = (torch.arange(world * 6, dtype=torch.float32) + (world - 1) / 2)[rank * 6:(rank + 1) * 6]

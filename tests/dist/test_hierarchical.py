@@ -10,7 +10,6 @@ import torch
 
 from tests.common.dist import run_distributed
 
-
 # ---------------------------------------------------------------- distributed (gloo)
 
 def _rank_input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -43,7 +42,6 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
 def _check_collectives(rank: int, world: int, local: int, sizes: list[int], dtypes: list[torch.dtype]) -> dict:
     import torch.distributed as dist
 
-    from flcomm.collectives.hierarchical import Hierarchy
     from flcomm.comm.base import LinkTier
     from flcomm.federated.topology import Topology
 

@@ -27,9 +27,9 @@ def _nan_runs(rank: int, world: int) -> dict:
 
     res = {}
     for policy in ("stop", "skip-step"):
-        cfg = TrainConfig(strategy="fl-fsdp", ranks_per_node=2, fedavg=FedAvgConfig(sync_every=2), model="tiny", steps=6, batch_size=2,
-                          seq_len=32, warmup=1, eval_batches=1, eval_fraction=0.05, max_tokens=100_000,
-                          progress=False, nan_policy=policy)
+        cfg = TrainConfig(strategy="fl-fsdp", ranks_per_node=2, fedavg=FedAvgConfig(sync_every=2), model="tiny",
+                          steps=6, batch_size=2, seq_len=32, warmup=1, eval_batches=1, eval_fraction=0.05,
+                          max_tokens=100_000, progress=False, nan_policy=policy)
         run = build_run(cfg, Monitor(None, rank, world))
         group["g"] = run.mesh.coords.group
         loop.lm_loss = loss

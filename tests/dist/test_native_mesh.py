@@ -153,7 +153,7 @@ def _stand_in_semantics(rank, world):
 
 def test_the_stand_in_keeps_the_real_classes_rules():
     res = run_distributed(_stand_in_semantics, 2, timeout=60)
-    for rank, out in enumerate(res):
+    for out in res:
         assert out["depth_inside"] == 1 and out["depth_after"] == 0
         assert out["deferred"] and out["blocking_refused"]
         assert out["grouped_launches"] == 1  # NOTE: one launch for the group's two collectives

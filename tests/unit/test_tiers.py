@@ -39,3 +39,15 @@ def test_unit_tests_start_no_ranks():
     bad = {str(p.relative_to(TESTS)): sorted(_imports(p) & spawn) for p in sorted((TESTS / "unit").glob("*.py"))}
     bad = {k: v for k, v in bad.items() if v}
     assert not bad, f"unit tests that spawn ranks belong in tests/dist/: {bad}"
+
+
+def test_the_linter_sees_every_tier():
+    """``ruff check .`` (CI's lint) reads a file of every tier: ruff's default exclude holds
+    "dist", which pyproject.toml takes out so that tests/dist/ is linted too."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--show-files", "."], cwd=TESTS.parent,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    for tier in TIERS:
+        assert f"/tests/{tier}/" in out, f"ruff does not read tests/{tier}/"
