@@ -1,6 +1,7 @@
 """BucketedAllReduce on gloo: codec ``none`` round-trips every parameter exactly (against a
 per-tensor torch.distributed all-reduce), tensors spanning buckets, mixed dtypes, int8 buckets
-against the single-process two-hop simulation, error-feedback state save/restore, bad input."""
+against the single-process two-hop simulation (with fp32 and with bf16 residuals), error-feedback
+state save/restore, bad input."""
 
 from __future__ import annotations
 
@@ -80,6 +81,19 @@ def _body(rank: int, world: int) -> dict:
         res[key] = {"outs": outs, "restored_equal": all(torch.equal(a, b) for a, b in zip(t_a, t_b)),
                     "residuals": sd["residuals"], "numels": bar.bucket_numels, "layout": bar.layout()}
 
+    # 2a. the same with bf16 residuals (review P4: one never written back passed all but a ratio)
+    for key, offload in (("int8 bf16", False), ("int8 bf16 offload", True)):
+        ts0 = [t.float() for t in _tensors(rank, 1, integer=False)]
+        bar = BucketedAllReduce(tr, ts0, codec="int8", bucket_mb=BUCKET_MB, error_feedback=True, op="avg",
+                                offload=offload, residual_dtype=torch.bfloat16)
+        outs, sds = [], []
+        for rnd in range(2):
+            ts = [t.float() for t in _tensors(rank, 1 + rnd, integer=False)]
+            bar.start(ts).wait()
+            outs.append(ts)
+            sds.append(bar.state_dict()["residuals"])
+        res[key] = {"outs": outs, "residuals": sds, "layout": bar.layout()}
+
     # 2b. offload keeps at most two buckets on the device, whatever the codec
     big = [torch.randn(70_000, generator=torch.Generator().manual_seed(rank)), torch.randn(30_001)]
     res["offload memory"] = {}
@@ -146,7 +160,8 @@ def _flatten_bucket(ts: list[torch.Tensor], segs) -> torch.Tensor:
     n = max(s.bucket_offset + s.length for s in segs)
     flat = torch.zeros(n)
     for s in segs:
-        flat[s.bucket_offset:s.bucket_offset + s.length] = ts[s.index].reshape(-1)[s.tensor_offset:s.tensor_offset + s.length]
+        src = ts[s.index].reshape(-1)[s.tensor_offset:s.tensor_offset + s.length]
+        flat[s.bucket_offset:s.bucket_offset + s.length] = src
     return flat
 
 
@@ -165,11 +180,33 @@ def test_int8_buckets_match_the_two_hop_simulation_with_error_feedback(results, 
                 assert torch.equal(got, out), (rnd, b, r, float((got - out).abs().max()))
     for r in range(WORLD):
         saved = results[r][key]["residuals"]
-        for b, segs in enumerate(layout):
+        for b in range(len(layout)):
             n = residuals[r][b].numel()
             assert torch.equal(saved[b][:n], residuals[r][b])
             assert not bool(saved[b][n:].any())  # the padding never carries error
     assert all(r[key]["restored_equal"] for r in results)
+
+
+@pytest.mark.parametrize("key", ["int8 bf16", "int8 bf16 offload"])
+def test_bf16_residuals_are_the_simulation_rounded_to_bf16(results, key):
+    """``residual_dtype=bf16``: after each round every rank's residual is the two-hop
+    simulation's, fed the previous round's bf16 residual, rounded to bf16 (torch's
+    round-to-nearest-even), and the result is the simulation's, bit for bit."""
+    layout = results[0][key]["layout"]
+    residuals = [[torch.zeros(sum(s.length for s in segs)) for segs in layout] for _ in range(WORLD)]
+    for rnd in range(2):
+        inputs = [[t.float() for t in _tensors(r, 1 + rnd, integer=False)] for r in range(WORLD)]
+        for b, segs in enumerate(layout):
+            xs = [_flatten_bucket(inputs[r], segs) for r in range(WORLD)]
+            out, _, new_res = simulate_two_hop(xs, "int8", "avg", residuals=[residuals[r][b] for r in range(WORLD)])
+            for r in range(WORLD):
+                residuals[r][b] = new_res[r].to(torch.bfloat16).float()
+                got = _flatten_bucket(results[r][key]["outs"][rnd], segs)
+                assert torch.equal(got, out), (rnd, b, r, float((got - out).abs().max()))
+                saved = results[r][key]["residuals"][rnd][b]
+                n = residuals[r][b].numel()
+                assert saved.dtype == torch.bfloat16 and bool(residuals[r][b].any()), (rnd, b, r)
+                assert torch.equal(saved[:n].float(), residuals[r][b]), (rnd, b, r)
 
 
 @pytest.mark.parametrize("codec", ["none", "int8", "fp8", "bf16", "fp16"])
