@@ -14,7 +14,7 @@ _LAZY = {
     "FedAvg": "flcomm.federated.fedavg",
     "NonFiniteAverageError": "flcomm.federated.checks",
     "ReplicaMismatchError": "flcomm.federated.checks",
-    "FedMesh": "flcomm.federated.topology",
+    "FedMesh": "flcomm.federated.mesh",
     "RankCoords": "flcomm.federated.topology",
     "Topology": "flcomm.federated.topology",
     "Strategy": "flcomm.federated.strategy",

@@ -29,3 +29,28 @@ def test_import_flcomm_loads_none_of_the_heavy_modules():
             "'torch.distributed.fsdp') if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def _packages() -> list[str]:
+    import pkgutil
+
+    return ["flcomm"] + [m.name for m in pkgutil.walk_packages(flcomm.__path__, "flcomm.") if m.ispkg]
+
+
+def test_every_package_export_resolves():
+    """Every package's ``__all__`` (and its lazy table, where it has one) names objects that
+    exist; a lazy name comes from the module its table says, which defines it (the
+    ``flcomm.federated.FedMesh`` of an earlier table pointed at a module without it)."""
+    pkgs = _packages()
+    assert {"flcomm.federated", "flcomm.comm", "flcomm.fsdp", "flcomm.train"} <= set(pkgs), pkgs
+    for pkg in pkgs:
+        mod = importlib.import_module(pkg)
+        names = getattr(mod, "__all__", None)
+        assert names, f"{pkg} has no __all__"
+        missing = [n for n in names if not hasattr(mod, n)]
+        assert not missing, f"{pkg}.__all__ names what it does not have: {missing}"
+        for name, where in getattr(mod, "_LAZY", {}).items():
+            obj = getattr(mod, name)
+            assert obj is getattr(importlib.import_module(where), name), (pkg, name, where)
+            if isinstance(obj, type) or callable(obj):
+                assert obj.__module__ == where, (pkg, name, obj.__module__, where)
