@@ -211,3 +211,27 @@ def test_circles_are_found():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"a"}}) == [["a"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+# NOTE: the circles through any import (function-level and type-only included) that stand today,
+# each with why; a new one fails the test below, and a known one that goes must leave this list
+KNOWN_CIRCLES = {
+    # Topology.build (a function-level import) builds the FedMesh, whose type names Topology;
+    # goes with a mesh builder of the mesh's own (flcomm.init_fed_mesh, issue 42)
+    ("flcomm.federated.mesh", "flcomm.federated.topology"),
+    # checks.ReplicaCheck and memory.memory_stats read FedAvg's fields (type-only imports);
+    # goes with the fragment as an object of its own (issue 42, review 8.1)
+    ("flcomm.federated.checks", "flcomm.federated.fedavg", "flcomm.federated.memory"),
+}
+
+
+def test_circles_through_any_import_are_only_the_known_ones():
+    """The circles of the full import graph (every import, lazy and type-only too: a type-level
+    circle is a dependency both ways all the same) are exactly :data:`KNOWN_CIRCLES`."""
+    graph = {}
+    for path in _sources():
+        me = _module_name(path)
+        graph[me] = {m for m in imports_of(path) if m.startswith("flcomm.") and m != me and _is_module(m)}
+    got = {tuple(c) for c in import_cycles(graph)}
+    assert got - KNOWN_CIRCLES == set(), f"new import circles: {sorted(got - KNOWN_CIRCLES)}"
+    assert KNOWN_CIRCLES - got == set(), f"gone, so drop them from KNOWN_CIRCLES: {sorted(KNOWN_CIRCLES - got)}"
