@@ -34,15 +34,9 @@ type-only ones included, and checks these rules):
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 from flcomm._lazy import lazy_exports
+from flcomm.info import VERSION as __version__
 from flcomm.info import build_info
-
-try:  # NOTE: the version lives in pyproject.toml only
-    __version__ = version("flcomm")
-except PackageNotFoundError:  # a source tree on sys.path that was never installed
-    __version__ = "0+unknown"
 
 _LAZY = {
     # the topology and its runtime mesh

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from flcomm import _native
@@ -19,14 +20,23 @@ def native_kernels() -> dict[str, list[str]]:
     return out
 
 
+def _version() -> str:
+    # NOTE: the version lives in pyproject.toml only
+    try:
+        return version("flcomm")
+    except PackageNotFoundError:  # a source tree on sys.path that was never installed
+        return "0+unknown"
+
+
+VERSION = _version()
+
+
 def build_info() -> dict[str, Any]:
     """A dict: versions, native kernels, CUDA/NCCL compiled in and loaded, GPUs visible."""
     import torch
 
-    from flcomm import __version__
-
     info: dict[str, Any] = {
-        "flcomm": __version__,
+        "flcomm": VERSION,
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "native": _native.available(),

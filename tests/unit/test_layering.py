@@ -20,7 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "_lazy": set(),
     "validate": set(),  # the numeric checks every layer shares (flcomm.validate)
     "_native": {"enums"},
-    "info": {"_native", "enums", "__init__"},
+    "info": {"_native", "enums"},
     "comm": {"_native", "info", "enums"},
     "kernels": {"_native", "enums"},
     "sparse": {"kernels", "_native", "enums"},  # NOTE: the sparse kernels, beside the quantization ones
