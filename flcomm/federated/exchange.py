@@ -29,7 +29,7 @@ local shard, anchor, momentum and own copy as they were); the caller reads the f
 Sharded across replicas (FL+HSDP, R > 1 replicas of each shard inside a group): replica r
 exchanges only slice r (1/R) of every bucket over the fed group, with the codec and the error
 feedback of that slice, and the averaged slices are all-gathered over a private replicate group
-(:func:`replicate_transport`) before the unpack; every replica then applies the same whole
+(:meth:`FedMesh.exchange_replicate_transport`) before the unpack; every replica then applies the same whole
 bucket. Inter-group bytes per rank drop by R; the all-gather adds (R-1)/R of the bucket inside
 the group, in the codec's encoding when the reduction was lossy (:class:`SlicedAllReduce`: the
 replicas gather what hop 2 gathered and decode it themselves, bit for bit what its owner
@@ -63,39 +63,9 @@ if TYPE_CHECKING:
     from flcomm.collectives.compressed import GatherPlan, TwoHopPlan
     from flcomm.comm.base import Transport
     from flcomm.comm.engine import Job
-    from flcomm.federated.mesh import FedMesh
     from flcomm.federated.outer import OuterOptimizer
 
-__all__ = ["DeltaExchange", "ExchangeResult", "SlicedAllReduce", "replicate_transport"]
-
-
-def replicate_transport(mesh: FedMesh, sharded: bool | None, elastic: bool = False) -> Transport | None:
-    """The transport a sharded exchange gathers its slices over, or None when it does not shard:
-    ``sharded`` None means "when the topology has R > 1 replicas" (FL+HSDP); False never; True
-    when R > 1 (with R = 1 there is nothing to shard).
-
-    ``elastic`` (an elastic federation): never sharded, and True is refused. The replicas'
-    gather runs on a group that lives across generations: after an aborted round one replica
-    may have issued it and the other not, so the redo would meet it out of step (the survivors
-    hang on the torch transport; on the native one the watchdog aborts it for good). Each
-    replica then exchanges its whole shard over its own generation's fed transport.
-
-    Collective: every rank calls it with the same ``sharded``. The first call on a mesh creates a
-    private transport per replicate-dim group (:meth:`FedMesh.private_transport`, with the mesh's
-    timeout), counting into the mesh's stats on the replicate dim's tier; later calls reuse it
-    (the exchanges of one engine lane run one after another, as they share the fed group).
-
-    NOTE: not the mesh's own replicate group: HSDP all-reduces gradients on that one from the
-    training loop, and an overlapped exchange issuing there from the engine's thread would
-    interleave with it differently on different ranks.
-    """
-    topo = mesh.topology
-    if elastic and sharded and topo.num_replicas > 1:
-        raise ValueError("sharded_exchange=True cannot run in an elastic federation: the replicas' gather does "
-                         "not survive an aborted round; leave it None (each replica exchanges its whole shard)")
-    if sharded is False or elastic or topo.num_replicas == 1 or not topo.federated:
-        return None
-    return mesh.private_transport("replicate_exchange", "replicate")
+__all__ = ["DeltaExchange", "ExchangeResult", "SlicedAllReduce"]
 
 
 @dataclass
@@ -143,7 +113,7 @@ class DeltaExchange:
             the exchange turns into the pending correction; else None.
         outer: the outer optimizer; ``momentum_index[i]`` is tensor i's momentum buffer (or None:
             buffers and non-parameters take the plain average).
-        replicate: the replicas' private group (:func:`replicate_transport`): exchange one slice
+        replicate: the replicas' private group (:meth:`FedMesh.exchange_replicate_transport`): exchange one slice
             per replica and all-gather (module docstring); None exchanges everything.
         offload: the anchors, own copies, momentum and residuals live in host memory and are
             staged through the device (module docstring); nothing to offload in place.

@@ -88,7 +88,7 @@ from flcomm.federated.autotune import AutoOverlap
 from flcomm.federated.checks import ReplicaCheck, StepOrder, check_sharding, non_finite_error, or_flags
 from flcomm.federated.config import AUTO, RESIDUAL_DTYPES, FedAvgConfig, check_inputs, one_device
 from flcomm.federated.elastic import snapshot
-from flcomm.federated.exchange import DeltaExchange, ExchangeResult, replicate_transport
+from flcomm.federated.exchange import DeltaExchange, ExchangeResult
 from flcomm.federated.exposure import ExposedTime, cuda_event
 from flcomm.federated.inner import InnerState, sync_inner_state
 from flcomm.federated.memory import memory_stats
@@ -268,7 +268,7 @@ class FedAvg:
         parts = partition([s.numel for s in self.slots], self.fragments) if self.slots else [[]]
         # NOTE: the fragments' exchanges run one after another in the engine: one staging pool
         self._staging = StagingPool()
-        self.replicate = replicate_transport(mesh, self.sharded_exchange, self.federation is not None)  # or None
+        self.replicate = mesh.exchange_replicate_transport(self.sharded_exchange, self.federation is not None)
         for f, part in enumerate(parts):
             # NOTE: empty shards (FSDP uneven sharding) are left out of the exchange; the fed
             # peers hold the same shard coordinates, so they leave out the same ones.

@@ -206,6 +206,34 @@ class FedMesh:
         self._private[name] = (dim, t)
         return t
 
+    def exchange_replicate_transport(self, sharded: bool | None, elastic: bool = False) -> Transport | None:
+        """The transport a sharded exchange gathers its slices over, or None when it does not shard:
+        ``sharded`` None means "when the topology has R > 1 replicas" (FL+HSDP); False never; True
+        when R > 1 (with R = 1 there is nothing to shard).
+
+        ``elastic`` (an elastic federation): never sharded, and True is refused. The replicas'
+        gather runs on a group that lives across generations: after an aborted round one replica
+        may have issued it and the other not, so the redo would meet it out of step (the survivors
+        hang on the torch transport; on the native one the watchdog aborts it for good). Each
+        replica then exchanges its whole shard over its own generation's fed transport.
+
+        Collective: every rank calls it with the same ``sharded``. The first call on a mesh creates a
+        private transport per replicate-dim group (:meth:`private_transport`, with the mesh's
+        timeout), counting into the mesh's stats on the replicate dim's tier; later calls reuse it
+        (the exchanges of one engine lane run one after another, as they share the fed group).
+
+        NOTE: not the mesh's own replicate group: HSDP all-reduces gradients on that one from the
+        training loop, and an overlapped exchange issuing there from the engine's thread would
+        interleave with it differently on different ranks.
+        """
+        topo = self.topology
+        if elastic and sharded and topo.num_replicas > 1:
+            raise ValueError("sharded_exchange=True cannot run in an elastic federation: the replicas' gather does "
+                             "not survive an aborted round; leave it None (each replica exchanges its whole shard)")
+        if sharded is False or elastic or topo.num_replicas == 1 or not topo.federated:
+            return None
+        return self.private_transport("replicate_exchange", "replicate")
+
     def native_transports(self) -> list[Transport]:
         """The native communicators' transports (the tiers' splits, the private ones, the root):
         what a watchdog may have aborted. Empty for a torch mesh."""

@@ -63,23 +63,23 @@ def _exchange(fm, codec: str, ef: bool, sharded: bool, replicate):
 
 def _exchange_worker(rank: int, world: int) -> dict:
     from flcomm.comm.base import wire_bytes
-    from flcomm.federated.exchange import replicate_transport
 
     fm = fed_mesh(world, F, S)
     assert fm.topology.num_replicas == R and fm.topology.mesh_shape == (F, R, S)
-    assert replicate_transport(fm, False) is None
+    assert fm.exchange_replicate_transport(False) is None
     with pytest.raises(ValueError, match="sharded_exchange must be None, True or False, got 'yes'"):
         FedAvgConfig(sync_every=2, sharded_exchange="yes")
-    rep = replicate_transport(fm, None)
+    rep = fm.exchange_replicate_transport(None)
     assert rep.size == R and rep.tier.value == "intra_node"
     # a private transport is made once per name: the engine's jobs share it, in their order
-    assert replicate_transport(fm, True) is rep and fm.private_transport("replicate_exchange", "replicate") is rep
+    assert fm.exchange_replicate_transport(True) is rep
+    assert fm.private_transport("replicate_exchange", "replicate") is rep
     with pytest.raises(ValueError, match="'replicate_exchange' is over dim 'replicate', not 'group'"):
         fm.private_transport("replicate_exchange", "group")
     # an elastic federation never shards: the replicas' gather would not survive an aborted round
-    assert replicate_transport(fm, None, elastic=True) is None
+    assert fm.exchange_replicate_transport(None, elastic=True) is None
     with pytest.raises(ValueError, match="sharded_exchange=True cannot run in an elastic federation"):
-        replicate_transport(fm, True, elastic=True)
+        fm.exchange_replicate_transport(True, elastic=True)
     out: dict = {}
     for codec, ef in (("none", False), ("int8", True), ("fp8", False)):
         plain, plain_loc, plain_bytes = _exchange(fm, codec, ef, False, rep)
