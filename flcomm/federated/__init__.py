@@ -12,6 +12,7 @@ from flcomm._lazy import lazy_exports
 
 _LAZY = {
     "FedAvg": "flcomm.federated.fedavg",
+    "FedAvgConfig": "flcomm.federated.config",
     "NonFiniteAverageError": "flcomm.federated.checks",
     "ReplicaMismatchError": "flcomm.federated.checks",
     "FedMesh": "flcomm.federated.mesh",
@@ -20,6 +21,7 @@ _LAZY = {
     "Strategy": "flcomm.federated.strategy",
     "Federation": "flcomm.federated.elastic",
     "GroupLostError": "flcomm.federated.elastic",
+    "TooFewGroupsError": "flcomm.federated.elastic",
 }
 
 __all__ = list(_LAZY)
