@@ -29,15 +29,32 @@ from flcomm.federated.outer import Outer
 from flcomm.kernels import BLOCKED_FORMATS
 from flcomm.validate import integer, number
 
-__all__ = ["AUTO", "RESIDUAL_DTYPES", "FedAvgConfig", "check_inputs", "one_device", "parse_overlap_steps"]
+__all__ = ["AUTO", "RESIDUAL_DTYPES", "FedAvgConfig", "check_inputs", "must_match_on_resume", "one_device",
+           "parse_overlap_steps"]
 
 RESIDUAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 AUTO = "auto"  # overlap_steps: FedAvg picks k from the first exchanges (flcomm.federated.autotune)
 
 
-def _setting(default: Any, help: str, source: str = "flcomm") -> Any:
-    """A field of :class:`FedAvgConfig` with its command-line help and where it comes from."""
-    return field(default=default, metadata={"help": help, "source": source})
+_UNSET = object()
+
+
+def _setting(default: Any, help: str, source: str = "flcomm", *, resume: Any = _UNSET) -> Any:
+    """A field of :class:`FedAvgConfig` with its command-line help and where it comes from.
+    ``resume``: a saved FedAvg state loads only into a run with the same value of this field,
+    and a state saved without the field had this value (:func:`must_match_on_resume`)."""
+    meta = {"help": help, "source": source}
+    if resume is not _UNSET:
+        meta["must_match_on_resume"] = resume
+    return field(default=default, metadata=meta)
+
+
+def must_match_on_resume() -> dict[str, Any]:
+    """``{field: the value a state saved without it had}`` for the fields of
+    :class:`FedAvgConfig` that a resumed state must share with the run (the layout of its
+    anchors, momentum and residuals depends on them)."""
+    return {f.name: f.metadata["must_match_on_resume"] for f in fields(FedAvgConfig)
+            if "must_match_on_resume" in f.metadata}
 
 
 @dataclass(frozen=True)
@@ -55,9 +72,11 @@ class FedAvgConfig:
                                   "e.g. topk:d=0.02:bits=2 (a Codec object is kept as given)")
     block_size: int | None = _setting(None, "elements per scale of the int8 / fp8 codecs (None: the codec's "
                                             "own, 256)")
-    error_feedback: bool = _setting(False, "keep what the codec dropped and add it to the next round's delta")
+    error_feedback: bool = _setting(False, "keep what the codec dropped and add it to the next round's delta",
+                                    resume=None)
     outer: str = _setting("avg", f"outer update: {', '.join(Outer.values())} (avg: the paper's plain "
-                                 "average; nesterov: DiLoCo's SGD with Nesterov momentum)", "paper / DiLoCo")
+                                 "average; nesterov: DiLoCo's SGD with Nesterov momentum)", "paper / DiLoCo",
+                       resume=None)
     outer_lr: float = _setting(0.7, "learning rate of the nesterov outer optimizer", "DiLoCo")
     outer_momentum: float = _setting(0.9, "momentum of the nesterov outer optimizer, in [0, 1)", "DiLoCo")
     inner_state: str = _setting("keep", f"the inner optimizer's state at a sync: {', '.join(InnerState.values())}"
@@ -65,7 +84,8 @@ class FedAvgConfig:
     overlap_steps: int | str = _setting(0, "k: apply each exchange k steps after its sync, while training "
                                            "goes on (0: blocking; 1..E; 'auto': the smallest k that hides "
                                            "the exchange, measured on the first syncs)", "Streaming DiLoCo")
-    fragments: int = _setting(1, "K, dividing E: sync 1/K of the shard every E/K steps", "Streaming DiLoCo")
+    fragments: int = _setting(1, "K, dividing E: sync 1/K of the shard every E/K steps", "Streaming DiLoCo",
+                              resume=1)
     bucket_mb: float = _setting(25.0, "bucket size of the exchange, in MiB")
     offload: str | None = _setting(None, "'cpu': keep the anchor, own copy, momentum and residuals in host "
                                          "memory (page-locked on CUDA)")

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from flcomm.federated.config import must_match_on_resume
+
 if TYPE_CHECKING:
     from flcomm.federated.exchange import DeltaExchange
     from flcomm.federated.outer import OuterOptimizer
@@ -39,10 +41,12 @@ def config_mismatch(saved: dict[str, Any], run: dict[str, Any]) -> tuple[str, An
     """The first setting that keeps a state saved with config ``saved`` from loading into a run
     of config ``run`` (both :meth:`FedAvgConfig.to_dict <flcomm.federated.config.FedAvgConfig.to_dict>`
     records), as ``(key, saved value, run value)``;
-    None when it loads. ``in_place``: a state of the paper's in-place mode keeps no anchor, so
-    a run that needs one cannot load it (the other way round loads: anchors are ignored)."""
-    for key in ("outer", "error_feedback", "fragments"):
-        if saved.get(key, 1 if key == "fragments" else None) != run[key]:
+    None when it loads. The fields compared are those the config marks
+    (:func:`~flcomm.federated.config.must_match_on_resume`). ``in_place``: a state of the paper's
+    in-place mode keeps no anchor, so a run that needs one cannot load it (the other way round
+    loads: anchors are ignored)."""
+    for key, missing in must_match_on_resume().items():
+        if saved.get(key, missing) != run[key]:
             return key, saved.get(key), run[key]
     if saved.get("in_place", False) and not run["in_place"]:
         return "in_place", True, False

@@ -148,3 +148,22 @@ def test_no_module_but_the_config_checks_the_fields():
             if path.name != "config.py" or sub != "federated":
                 found += _checks_of(path, names)
     assert not found, found
+
+
+def test_what_must_match_on_resume_is_field_metadata():
+    """The fields whose value a saved state's layout depends on (the outer update's momentum,
+    the residuals, the fragments' cut) are marked on the config, and the resume check reads
+    them there: each one that differs is named, an old state without ``fragments`` had 1."""
+    from flcomm.federated.config import must_match_on_resume
+    from flcomm.federated.persist import config_mismatch
+
+    assert must_match_on_resume() == {"outer": None, "error_feedback": None, "fragments": 1}
+    run = FedAvgConfig(sync_every=4, outer="nesterov", error_feedback=True, fragments=2, codec="int8").to_dict()
+    assert config_mismatch(dict(run), run) is None
+    for key, other in (("outer", "avg"), ("error_feedback", False), ("fragments", 1)):
+        assert config_mismatch({**run, key: other}, run) == (key, other, run[key])
+    old = {k: v for k, v in run.items() if k != "fragments"}
+    assert config_mismatch(old, run) == ("fragments", None, 2)
+    assert config_mismatch(old, {**run, "fragments": 1}) is None
+    # NOTE: settings that change no saved layout load across runs
+    assert config_mismatch({**run, "codec": "none", "sync_every": 8, "bucket_mb": 1.0}, run) is None
