@@ -39,6 +39,10 @@ the binding's source (csrc/nccl_comm.cpp):
       timeout, else aborts and raises NcclTimeoutError.
   R10. ``split()`` is collective over the parent (host side, through the bootstrap store), bounded
       by the timeout; a timeout aborts the parent.
+  R11. Creating a communicator (init, or a split's child) returns on no rank before every rank
+      has it: the binding's init is non-blocking and ``await_ready`` waits for the peers, bounded
+      by the timeout (csrc/nccl_comm.cpp). gloo's mesh connects pairwise, so one rank could be
+      done, finish and close its pairs while another still connects to them.
 
 Mode ``"lenient"`` (``installed(mode="lenient")``, or ``FLCOMM_FAKE_NCCL_MODE=lenient`` in the
 trainer's subprocesses) is the stand-in of before: ``stream_wait`` is the bounded ``wait``, and a
@@ -265,6 +269,13 @@ class NcclComm:
         self._worker: threading.Thread | None = None
         self.launches = 0
         self._pg = store_group(self._store, prefix, rank, nranks, "gloo", timedelta(seconds=timeout_s))
+        # R11: every rank has its communicator before any returns
+        self._store.set(f"{prefix}/ready/{rank}", "1")
+        try:
+            self._store.wait([f"{prefix}/ready/{r}" for r in range(nranks)], timedelta(seconds=timeout_s))
+        except RuntimeError as e:  # NOTE: the store's timeout (a DistStoreError)
+            raise NcclTimeoutError(f"NcclComm init: rank {rank} of {nranks} (stand-in): the peers did not all "
+                                   f"join within {timeout_s:g} s: {e}") from e
 
     # ---- properties of the binding ----
     rank = property(lambda self: self._rank)

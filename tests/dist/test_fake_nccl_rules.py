@@ -1,4 +1,4 @@
-"""The NCCL stand-in's rules (tests/common/fake_nccl.py, R1-R10), each checked against what NCCL
+"""The NCCL stand-in's rules (tests/common/fake_nccl.py, R1-R11), each checked against what NCCL
 and the binding (csrc/nccl_comm.cpp) say, not against the stand-in itself; and the native
 transport's watchdog (flcomm/comm/watchdog.py) on it: a silent peer's collective is ended by the
 watchdog, within twice the timeout, and only by it.
@@ -271,10 +271,47 @@ def test_without_the_watchdog_a_silent_peer_hangs_the_native_transport():
 
 
 def test_rules_table_names_every_rule():
-    """The module's rules are what these tests check: R1-R10, each written with its source."""
+    """The module's rules are what these tests check: R1-R11, each written with its source."""
     from tests.common import fake_nccl
 
     doc = fake_nccl.__doc__
-    for i in range(1, 11):
+    for i in range(1, 12):
         assert f"R{i}." in doc, f"rule R{i} is missing from the stand-in's docstring"
     assert fake_nccl._MODE in fake_nccl.MODES and fake_nccl.MODES[0] == "strict"
+
+
+def _init_waits_for_every_rank(rank, world):
+    """R11, with gloo's own connect taken out (a stand-in group that returns at once): rank 1
+    creates its communicator 0.5 s after rank 0, and then a second one that rank 0 never does."""
+    import torch.distributed as dist
+
+    from flcomm.comm import torch_pg
+    from tests.common import fake_nccl
+
+    obj = [fake_nccl.nccl_unique_id() if rank == 0 else None]
+    dist.broadcast_object_list(obj, 0)
+    keep = torch_pg.store_group
+    torch_pg.store_group = lambda *a, **k: None
+    try:
+        if rank == 1:
+            time.sleep(0.5)
+        t0 = time.monotonic()
+        fake_nccl.NcclComm(obj[0], world, rank, 0, TIMEOUT_S)
+        waited = time.monotonic() - t0
+        err = ""
+        if rank == 1:
+            obj2 = fake_nccl.nccl_unique_id()
+            try:
+                fake_nccl.NcclComm(obj2, world, rank, 0, TIMEOUT_S)
+            except fake_nccl.NcclTimeoutError as e:
+                err = str(e)
+    finally:
+        torch_pg.store_group = keep
+    dist.barrier()
+    return {"waited": waited, "err": err}
+
+
+def test_a_communicator_is_created_on_no_rank_before_every_rank_has_it():
+    r0, r1 = run_distributed(_init_waits_for_every_rank, 2, timeout=60)
+    assert r0["waited"] >= 0.4, r0  # NOTE: rank 0 waited for rank 1, who came 0.5 s later
+    assert "NcclComm init: rank 1 of 2 (stand-in): the peers did not all join within 1 s" in r1["err"], r1
