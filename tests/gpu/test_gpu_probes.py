@@ -341,6 +341,9 @@ class OneProcessMesh:
     def global_ranks(self, ranks):
         return list(ranks)
 
+    def exchange_replicate_transport(self, sharded, elastic=False):
+        return None  # NOTE: one-rank groups: one replica, nothing to shard the exchange over
+
     def native_transports(self) -> list[Transport]:
         return []  # NOTE: no native communicator, as a torch mesh: nothing a watchdog aborts
 
