@@ -165,22 +165,33 @@ def _flatten_bucket(ts: list[torch.Tensor], segs) -> torch.Tensor:
     return flat
 
 
-@pytest.mark.parametrize("key", ["int8", "int8 offload"])
-def test_int8_buckets_match_the_two_hop_simulation_with_error_feedback(results, key):
+def _check_rounds(results: list[dict], key: str, kept) -> list[list[list[torch.Tensor]]]:
+    """The two rounds of ``results[key]`` (int8, avg, error feedback) against the two-hop
+    simulation: every rank's result equals it bit for bit. ``kept(residual)``: what a rank keeps
+    of its new residual (its dtype's rounding), fed to the next round. Returns the kept residuals
+    after each round, ``[round][rank][bucket]``."""
     layout = results[0][key]["layout"]
     residuals = [[torch.zeros(sum(s.length for s in segs)) for segs in layout] for _ in range(WORLD)]
+    after = []
     for rnd in range(2):
         inputs = [[t.float() for t in _tensors(r, 1 + rnd, integer=False)] for r in range(WORLD)]
         for b, segs in enumerate(layout):
             xs = [_flatten_bucket(inputs[r], segs) for r in range(WORLD)]
             out, _, new_res = simulate_two_hop(xs, "int8", "avg", residuals=[residuals[r][b] for r in range(WORLD)])
             for r in range(WORLD):
-                residuals[r][b] = new_res[r]
+                residuals[r][b] = kept(new_res[r])
                 got = _flatten_bucket(results[r][key]["outs"][rnd], segs)
                 assert torch.equal(got, out), (rnd, b, r, float((got - out).abs().max()))
+        after.append([list(rs) for rs in residuals])
+    return after
+
+
+@pytest.mark.parametrize("key", ["int8", "int8 offload"])
+def test_int8_buckets_match_the_two_hop_simulation_with_error_feedback(results, key):
+    residuals = _check_rounds(results, key, lambda res: res)[-1]
     for r in range(WORLD):
         saved = results[r][key]["residuals"]
-        for b in range(len(layout)):
+        for b in range(len(results[0][key]["layout"])):
             n = residuals[r][b].numel()
             assert torch.equal(saved[b][:n], residuals[r][b])
             assert not bool(saved[b][n:].any())  # the padding never carries error
@@ -192,21 +203,13 @@ def test_bf16_residuals_are_the_simulation_rounded_to_bf16(results, key):
     """``residual_dtype=bf16``: after each round every rank's residual is the two-hop
     simulation's, fed the previous round's bf16 residual, rounded to bf16 (torch's
     round-to-nearest-even), and the result is the simulation's, bit for bit."""
-    layout = results[0][key]["layout"]
-    residuals = [[torch.zeros(sum(s.length for s in segs)) for segs in layout] for _ in range(WORLD)]
-    for rnd in range(2):
-        inputs = [[t.float() for t in _tensors(r, 1 + rnd, integer=False)] for r in range(WORLD)]
-        for b, segs in enumerate(layout):
-            xs = [_flatten_bucket(inputs[r], segs) for r in range(WORLD)]
-            out, _, new_res = simulate_two_hop(xs, "int8", "avg", residuals=[residuals[r][b] for r in range(WORLD)])
-            for r in range(WORLD):
-                residuals[r][b] = new_res[r].to(torch.bfloat16).float()
-                got = _flatten_bucket(results[r][key]["outs"][rnd], segs)
-                assert torch.equal(got, out), (rnd, b, r, float((got - out).abs().max()))
+    after = _check_rounds(results, key, lambda res: res.to(torch.bfloat16).float())
+    for rnd, residuals in enumerate(after):
+        for r in range(WORLD):
+            for b, want in enumerate(residuals[r]):
                 saved = results[r][key]["residuals"][rnd][b]
-                n = residuals[r][b].numel()
-                assert saved.dtype == torch.bfloat16 and bool(residuals[r][b].any()), (rnd, b, r)
-                assert torch.equal(saved[:n].float(), residuals[r][b]), (rnd, b, r)
+                assert saved.dtype == torch.bfloat16 and bool(want.any()), (rnd, b, r)
+                assert torch.equal(saved[:want.numel()].float(), want), (rnd, b, r)
 
 
 @pytest.mark.parametrize("codec", ["none", "int8", "fp8", "bf16", "fp16"])
