@@ -7,9 +7,9 @@ A bucket holds one dtype (fp32, or fp64 for fp64 tensors, or with ``keep_dtype``
 own dtype), so a change of dtype starts a new bucket. Each bucket is padded to a multiple of
 ``world * align`` so the two-hop exchange needs no copy.
 
-Memory: buckets share ``slots`` (2) staging buffers (and two-hop plans), whatever the number of
-buckets; only the error-feedback residuals (one per bucket, views of one allocation:
-:func:`arena`) persist at full size.
+Memory: buckets share ``slots`` (2) staging buffers (and two-hop plans) of a :class:`StagingPool`
+(:mod:`flcomm.collectives.staging`); only the error-feedback residuals (one per bucket, views of
+one allocation: :func:`~flcomm.collectives.staging.arena`) persist at full size.
 
 Offload (``offload=True``: the residuals, and the caller's full-size state, live in host memory):
 the device holds at most two buckets (``2 * bucket_mb``) of exchange buffers, all counted by
@@ -25,9 +25,8 @@ the device holds at most two buckets (``2 * bucket_mb``) of exchange buffers, al
    about ``bucket_mb`` (less the padding), int8 + EF 72% of it on 2 ranks, about 2/3 on more. The
    wire then carries smaller messages, one at a time: ``bench/memory.py`` reports what that costs.
 
-A :class:`StagingPool` may also hold named buffers of its users (:meth:`StagingPool.buffer`),
-and a subclass may stage through buffers of a bucket's slot (:meth:`BucketedAllReduce.slot_buffer`);
-:meth:`~BucketedAllReduce.memory_bytes` counts them all.
+A subclass may stage through buffers of a bucket's slot (:meth:`BucketedAllReduce.slot_buffer`);
+:meth:`~BucketedAllReduce.memory_bytes` counts them, and the pool's named buffers, all.
 
 Pipeline of one exchange (one engine job; ``start()`` returns its :class:`~flcomm.comm.engine.Job`)::
 
@@ -55,10 +54,9 @@ nothing else may issue on the transport while an exchange is in flight.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -73,10 +71,15 @@ from flcomm.collectives.compressed import (
     parse_sum_avg,
     wire_numel,
 )
-from flcomm.comm.base import ReduceOp, Transport, Work
+from flcomm.collectives.staging import StagingPool, _grow, arena, bucket_dtype
+from flcomm.collectives.staging import span  # noqa: F401  NOTE: until fedavg imports it from staging
+from flcomm.comm.base import ReduceOp, Transport
 from flcomm.comm.engine import Job, ProgressEngine, get_engine
 
-__all__ = ["BucketedAllReduce", "Segment", "StagingPool", "arena"]
+if TYPE_CHECKING:
+    from flcomm.collectives.staging import _StageBuffers
+
+__all__ = ["BucketedAllReduce", "Segment"]
 
 PackFn = Callable[[list["Segment"], Tensor], None]
 
@@ -103,25 +106,6 @@ class _Bucket:
     mine: list[Segment] | None = None  # sharded: the segments of that slice (slice offsets)
 
 
-class _Slot:
-    """A staging buffer (and its two-hop plans, by bucket size) reused by every other bucket.
-
-    Its byte buffers, by name (:func:`_grow`): ``flat`` (the bucket), ``residual`` (bf16
-    residuals: the bucket's, staged in fp32), ``scratch`` (offload: host pieces and the residual,
-    staged) and those of subclasses (:meth:`BucketedAllReduce.slot_buffer`)."""
-
-    def __init__(self) -> None:
-        self.bufs: dict[str, Tensor] = {}
-        self.plans: dict[tuple[int, torch.dtype], TwoHopPlan | GatherPlan] = {}
-        self.work: Work | None = None
-        self.plan: TwoHopPlan | GatherPlan | None = None
-        self.staged: Tensor | None = None  # the residual's device view while the bucket is exchanged
-
-    def nbytes(self) -> int:
-        bufs = sum(t.numel() * t.element_size() for t in self.bufs.values())
-        return bufs + sum(p.nbytes() for p in self.plans.values())
-
-
 def _clip(segs: list[Segment], lo: int, n: int) -> list[Segment]:
     """The parts of ``segs`` inside bucket elements ``[lo, lo + n)``, with offsets from ``lo``."""
     out = []
@@ -130,98 +114,6 @@ def _clip(segs: list[Segment], lo: int, n: int) -> list[Segment]:
         if a < b:
             out.append(Segment(s.index, s.tensor_offset + a - s.bucket_offset, a - lo, b - a))
     return out
-
-
-def _grow(bufs: dict[str, Tensor], name: str, nbytes: int, device: torch.device) -> Tensor:
-    """The byte buffer ``bufs[name]`` on ``device``, grown to at least ``nbytes``."""
-    buf = bufs.get(name)
-    if buf is None or buf.numel() < nbytes:
-        buf = None
-        bufs.pop(name, None)  # NOTE: free the old one first (the device may hold no more)
-        buf = bufs[name] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    return buf
-
-
-class StagingPool:
-    """Staging buffers shareable between all-reduces whose exchanges run one after another (the
-    same engine lane): two slots (buffers grow on first use) and the named buffers the pool's
-    users add (:meth:`buffer`)."""
-
-    def __init__(self) -> None:
-        self.slots = [_Slot(), _Slot()]
-        self.bufs: dict[str, Tensor] = {}
-
-    def buffer(self, name: str, nbytes: int, device: torch.device) -> Tensor:
-        """The pool's byte buffer ``name`` (no exchange of the pool uses it), grown to at least
-        ``nbytes``."""
-        return _grow(self.bufs, name, nbytes, device)
-
-    def nbytes(self) -> int:
-        """Bytes of every buffer and two-hop plan of the pool."""
-        return sum(s.nbytes() for s in self.slots) + sum(t.numel() * t.element_size() for t in self.bufs.values())
-
-
-def arena(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device | str,
-          pin: bool = False) -> list[Tensor]:
-    """Zeroed tensors of the given (shape, dtype), all views of one flat byte buffer: one
-    allocation per kind of buffer, so the bytes held are the bytes asked for (torch's caching
-    allocators round each allocation up, the pinned host one to a power of two). The views are
-    laid out by falling element size, so each is aligned to its own without padding.
-
-    ``pin`` (host memory, with CUDA): the buffer is page-locked with ``cudaHostRegister``, exactly
-    its bytes (not through the caching host allocator), and unregistered when its storage is
-    freed (the last view gone). On CPU the same views of one buffer, unpinned."""
-    sizes = [math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in specs]
-    order = sorted(range(len(specs)), key=lambda i: -torch.empty((), dtype=specs[i][1]).element_size())
-    flat = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
-    if pin and flat.numel():
-        _register(flat)
-    out: list[Tensor | None] = [None] * len(specs)
-    off = 0
-    for i in order:
-        shape, dt = specs[i]
-        out[i] = flat[off: off + sizes[i]].view(dt).view(shape)
-        off += sizes[i]
-    return out  # type: ignore[return-value]
-
-
-def span(tensors: list[Tensor]) -> Tensor | None:
-    """One 1-D view over ``tensors`` when they lie end to end in one storage, in their order and
-    of one dtype (an :func:`arena`'s views of one element size), for a single pass over all of
-    them; else None."""
-    ts = [t for t in tensors if t.numel()]  # NOTE: an empty tensor's data_ptr() is 0
-    if not ts or any(t.dtype != ts[0].dtype for t in tensors):
-        return None
-    storage, pos = ts[0].untyped_storage().data_ptr(), ts[0].data_ptr()
-    for t in ts:
-        if not t.is_contiguous() or t.data_ptr() != pos or t.untyped_storage().data_ptr() != storage:
-            return None
-        pos += t.numel() * t.element_size()
-    return ts[0].as_strided((sum(t.numel() for t in ts),), (1,), ts[0].storage_offset())
-
-
-def _register(flat: Tensor) -> None:
-    """Page-lock ``flat`` (a host byte buffer) until its storage is freed."""
-    import weakref
-
-    cudart = torch.cuda.cudart()
-    ptr = flat.data_ptr()
-    rc = int(cudart.cudaHostRegister(ptr, flat.numel(), 0))
-    if rc != 0:
-        raise RuntimeError(f"cudaHostRegister of {flat.numel()} bytes of host memory failed with CUDA error {rc}")
-    # NOTE: torch keeps a storage's Python object alive as long as the storage (PyObject
-    # preservation), so this runs when the last view is gone; as torch.distributed.checkpoint's
-    # pinned staging does
-    fin = weakref.finalize(flat.untyped_storage(), cudart.cudaHostUnregister, ptr)
-    fin.atexit = False  # NOTE: not after the CUDA context is gone
-
-
-def bucket_dtype(dtype: torch.dtype, keep_dtype: bool) -> torch.dtype:
-    """The dtype a tensor of ``dtype`` travels in: its own with ``keep_dtype``, else fp32 (fp64
-    stays fp64: precision is never cut)."""
-    if keep_dtype or dtype == torch.float64:
-        return dtype
-    return torch.float32
 
 
 class BucketedAllReduce:
@@ -493,7 +385,7 @@ class BucketedAllReduce:
         for k in range(max(0, nb - 2), nb):
             self._finish(job, k, unpack)
 
-    def _slot(self, k: int) -> _Slot:
+    def _slot(self, k: int) -> _StageBuffers:
         return self._slots[0 if self.offload else k % 2]
 
     def scratch(self, numel: int, dtype: torch.dtype) -> Tensor:
@@ -512,10 +404,10 @@ class BucketedAllReduce:
         for a subclass's :meth:`gather_slices`; the next bucket of that slot may reuse it."""
         return self._grow(self._slot(k), name, nbytes)
 
-    def _grow(self, slot: _Slot, name: str, nbytes: int) -> Tensor:
+    def _grow(self, slot: _StageBuffers, name: str, nbytes: int) -> Tensor:
         return _grow(slot.bufs, name, nbytes, self.device)
 
-    def _slot_flat(self, slot: _Slot, b: _Bucket) -> Tensor:
+    def _slot_flat(self, slot: _StageBuffers, b: _Bucket) -> Tensor:
         nbytes = b.padded * torch.empty((), dtype=b.dtype).element_size()
         flat = self._grow(slot, "flat", nbytes)[:nbytes].view(b.dtype)
         if b.padded > b.numel:
@@ -551,7 +443,7 @@ class BucketedAllReduce:
         slot.plan = slot.plans[key]
         slot.plan.encode_scatter(flat, res)
 
-    def _stage_residual(self, slot: _Slot, b: _Bucket) -> Tensor | None:
+    def _stage_residual(self, slot: _StageBuffers, b: _Bucket) -> Tensor | None:
         """The bucket's fp32 residual on the device: itself, or staged (offload: in the scratch,
         free between the pack and the unpack; a bf16 residual: in the slot's fp32 buffer)."""
         slot.staged = None
@@ -565,7 +457,7 @@ class BucketedAllReduce:
         slot.staged.copy_(b.residual, non_blocking=True)
         return slot.staged
 
-    def _unstage_residual(self, slot: _Slot, b: _Bucket) -> None:
+    def _unstage_residual(self, slot: _StageBuffers, b: _Bucket) -> None:
         # NOTE: the residual is final once the reduced chunk was re-encoded (hop 2 issued);
         # a blocking copy to host memory, so the scratch is free for the unpack
         if slot.staged is not None:

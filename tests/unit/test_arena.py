@@ -1,5 +1,5 @@
-"""bucketing.arena: one allocation of zeroed, aligned, non-overlapping views per kind (on the CPU,
-and page-locked where a GPU is visible); bucketing.span: one view over views end to end."""
+"""staging.arena: one allocation of zeroed, aligned, non-overlapping views per kind (on the CPU,
+and page-locked where a GPU is visible); staging.span: one view over views end to end."""
 
 from __future__ import annotations
 
@@ -31,13 +31,13 @@ def _check_arena(views, specs) -> None:
 
 
 def test_arena_is_one_allocation_of_views_on_cpu():
-    from flcomm.collectives.bucketing import arena
+    from flcomm.collectives.staging import arena
 
     _check_arena(arena(ARENA_SPECS, "cpu"), ARENA_SPECS)
 
 
 def test_span_is_one_view_over_tensors_end_to_end_and_none_otherwise():
-    from flcomm.collectives.bucketing import arena, span
+    from flcomm.collectives.staging import arena, span
 
     specs = [((3, 5), torch.float32), ((0,), torch.float32), ((7,), torch.float32), ((2, 2), torch.float32)]
     views = arena(specs, "cpu")
@@ -64,7 +64,7 @@ def test_pinned_arena_pins_exactly_its_bytes():
     """Page-locked with cudaHostRegister: the views are pinned, the caching host allocator (which
     rounds each allocation up to a power of two) holds nothing more, and the views copy to and
     from the device asynchronously, exactly."""
-    from flcomm.collectives.bucketing import arena
+    from flcomm.collectives.staging import arena
 
     specs = [((1000, 37), torch.float32), ((12345,), torch.bfloat16), ((999,), torch.float64)]
     stats = getattr(torch.cuda, "host_memory_stats", None)
