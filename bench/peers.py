@@ -60,12 +60,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -79,10 +77,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from bench import recovery  # noqa: E402
+from bench.tft_common import (  # noqa: E402
+    OUTER_LR,
+    OUTER_MOMENTUM,
+    Env,
+    build_data,
+    build_model_sharded,
+    end_rank,
+    free_port,
+    init_group_world,
+    lighthouse_code,
+    local_shard,
+    reap,
+    serve,
+    start_rank,
+    tft_diloco,
+    tft_manager,
+    train_step,
+)
+
 INSTALL = 'pip install -e ".[peers]"   (torchft>=0.2, the peer library this benchmark compares with)'
 ROWS = ("local", "fsdp", "tft", "tft-stream", "fl", "fl-ovl", "fl-int8", "fl-frag", "fl-avg", "tft-hsdp", "fl-hsdp")
 FED_ROWS = tuple(r for r in ROWS if r not in ("local", "fsdp"))
-OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 STORE_PORT, LIGHTHOUSE_PORT, FLCOMM_PORT = 29610, 29650, 29660
 
 
@@ -98,37 +115,6 @@ def require_torchft() -> str:
 
 
 # ---------------------------------------------------------------- the worker (one rank) ----
-
-@dataclasses.dataclass
-class Env:
-    """Where this rank is: its node (= federation / replica group), rank in it, and addresses."""
-    rank: int
-    world: int
-    node: int
-    nodes: int
-    local: int
-    per_node: int
-    addrs: list[str]
-
-    @classmethod
-    def from_environ(cls) -> Env:
-        e = os.environ
-        per_node = int(e["LOCAL_WORLD_SIZE"])
-        world = int(e["WORLD_SIZE"])
-        return cls(int(e["RANK"]), world, int(e["NODE_RANK"]), world // per_node, int(e["LOCAL_RANK"]), per_node,
-                   e["PEERS_ADDRS"].split(","))
-
-
-def _local_shard(model) -> Any:
-    """This rank's parameter shards, flattened in ``named_parameters`` order (fp32)."""
-    import torch
-
-    parts = []
-    for _, p in model.named_parameters():
-        t = p.to_local() if hasattr(p, "to_local") else p
-        parts.append(t.detach().reshape(-1).float())
-    return torch.cat(parts)
-
 
 def retained_bytes(root: Any, exclude: set[int]) -> int:
     """Bytes of the tensor storages reachable from ``root``'s object graph, each storage once,
@@ -201,109 +187,40 @@ def _tx_bytes(ifname: str | None) -> int | None:
         return None
 
 
-def build_model_sharded(a: argparse.Namespace, dm: Any) -> tuple[Any, Any]:
-    """The job's model on every rank from the same seed (``a.empty``: a near-empty one),
-    FSDP2 over ``dm`` per decoder block and on the root, and its AdamW."""
-    import torch
-    from torch.distributed.fsdp import fully_shard
-
-    from flcomm.train.model import build_model, get_config
-
-    mcfg = get_config(a.model, **({"dim": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 16}
-                                  if getattr(a, "empty", False) else {}))
-    torch.manual_seed(a.seed)
-    model = build_model(mcfg, device="cpu", seed=a.seed)
-    for block in model.layers:
-        fully_shard(block, mesh=dm, reshard_after_forward=True)
-    fully_shard(model, mesh=dm, reshard_after_forward=False)
-    return model, torch.optim.AdamW(model.parameters(), lr=a.lr)
-
-
-def build_data(a: argparse.Namespace, env: Env) -> tuple[Any, list]:
-    """This rank's slice of the built-in corpus, as the driver cuts it: (train loader, held-out batches)."""
-    from flcomm.train.data import ShardedLoader, eval_batches, load_tokens, split_for_ranks
-
-    tokens = load_tokens(None)
-    P, index = env.world, env.node * env.per_node + env.local
-    split = split_for_ranks(tokens, P, a.batch_size, a.seq_len, 0.02)
-    loader = ShardedLoader(split.train, a.seq_len, a.batch_size, P, index, a.seed)
-    return loader, eval_batches(split.heldout, a.seq_len, a.batch_size, a.eval_batches, P, index)
-
-
-def tft_manager(a: argparse.Namespace, env: Env, model: Any, inner: Any, min_replicas: int, store_port: int) -> Any:
-    """torchft's Manager of this rank's replica group (= node): its state is the model and the
-    inner optimizer (what a healing group fetches), its store on the node's address."""
-    from torchft import Manager, ProcessGroupGloo
-    from torchft.checkpointing.http_transport import HTTPTransport
-
-    timeout = timedelta(seconds=a.timeout)
-    host = env.addrs[env.node]
-
-    class NodeHTTPTransport(HTTPTransport):
-        """torchft's checkpoint server (what a healing group fetches from), addressed by the
-        node's IP: its own address() names this machine's hostname, which every emulated node
-        shares (on a real cluster each node's hostname resolves to that node)."""
-
-        def address(self) -> str:
-            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
-
-    def state() -> dict:
-        return {"model": model.state_dict(), "inner": inner.state_dict()}
-
-    def load(sd: dict) -> None:
-        model.load_state_dict(sd["model"])
-        inner.load_state_dict(sd["inner"])
-
-    # NOTE: init_sync=False: every rank starts from the same seed already. With torchft's
-    # default (True) the first quorum, at DiLoCo's first sync, heals the non-primary groups
-    # from the primary's state, discarding their first E local steps (measured: 8e-3 off).
-    return Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load, state_dict=state,
-                   min_replica_size=min_replicas, use_async_quorum=False, replica_id=f"group{env.node}",
-                   store_addr=env.addrs[env.node], store_port=store_port, rank=env.local,
-                   world_size=env.per_node, lighthouse_addr=f"http://{env.addrs[0]}:{a.lighthouse_port}",
-                   hostname=env.addrs[env.node], timeout=timeout, quorum_timeout=timeout,
-                   connect_timeout=timeout, init_sync=False,
-                   checkpoint_transport=NodeHTTPTransport(timeout=timeout, num_chunks=0))
-
-
-def worker(a: argparse.Namespace) -> int:
-    import torch
+def _world_and_mesh(a: argparse.Namespace, env: Env, timeout: timedelta) -> tuple[Any, Any]:
+    """The row's gloo world and the device mesh FSDP2 shards over: (that mesh, flcomm's FedMesh
+    for the flcomm rows, else None). torchft and ``local``: one world per group; ``fsdp`` and
+    flcomm: one world of every rank."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from flcomm.train.model import lm_loss
-
-    torch.set_num_threads(1)
-    env = Env.from_environ()
-    row, E = a.row, a.sync_every
-    timeout = timedelta(seconds=a.timeout)
-    fed = diloco = manager = None
+    row = a.row
     hsdp = row in ("tft-hsdp", "fl-hsdp")
     if row.startswith("tft") or row == "local":
         # one world per group (torchft: a replica group), its store on the node's own address
-        dist.init_process_group("gloo", init_method=f"tcp://{env.addrs[env.node]}:{a.store_port + env.node}",
-                                rank=env.local, world_size=env.per_node, timeout=timeout)
-        dm = (init_device_mesh("cpu", (2, env.per_node // 2), mesh_dim_names=("replicate", "shard")) if hsdp
-              else init_device_mesh("cpu", (env.per_node,), mesh_dim_names=("shard",)))
-    else:
-        dist.init_process_group("gloo", init_method=f"tcp://{env.addrs[0]}:{a.flcomm_port}", rank=env.rank,
-                                world_size=env.world, timeout=timeout)
-        if row == "fsdp":
-            dm = init_device_mesh("cpu", (env.world,), mesh_dim_names=("shard",))
-        else:
-            import flcomm
+        init_group_world(env, a.store_port + env.node, timeout)
+        return (init_device_mesh("cpu", (2, env.per_node // 2), mesh_dim_names=("replicate", "shard")) if hsdp
+                else init_device_mesh("cpu", (env.per_node,), mesh_dim_names=("shard",))), None
+    dist.init_process_group("gloo", init_method=f"tcp://{env.addrs[0]}:{a.flcomm_port}", rank=env.rank,
+                            world_size=env.world, timeout=timeout)
+    if row == "fsdp":
+        return init_device_mesh("cpu", (env.world,), mesh_dim_names=("shard",)), None
+    import flcomm
 
-            strategy = flcomm.Strategy.FL_HSDP if hsdp else flcomm.Strategy.FL_FSDP
-            topo = strategy.topology(env.world, ranks_per_node=env.per_node, group_size=env.per_node,
-                                     shard_size=env.per_node // 2 if hsdp else None)
-            mesh = topo.build("cpu", timeout=timeout)
-            dm = mesh.device_mesh["replicate", "shard"] if hsdp else mesh.device_mesh["shard"]
-    model, inner = build_model_sharded(a, dm)
-    rss_before = _rss_mb()
+    strategy = flcomm.Strategy.FL_HSDP if hsdp else flcomm.Strategy.FL_FSDP
+    topo = strategy.topology(env.world, ranks_per_node=env.per_node, group_size=env.per_node,
+                             shard_size=env.per_node // 2 if hsdp else None)
+    mesh = topo.build("cpu", timeout=timeout)
+    return (mesh.device_mesh["replicate", "shard"] if hsdp else mesh.device_mesh["shard"]), mesh
 
+
+def _synchronizer(a: argparse.Namespace, env: Env, model: Any, inner: Any, mesh: Any) -> tuple[Any, Any, Any]:
+    """The row's synchronizer: (flcomm's FedAvg, torchft's DiLoCo, its Manager), None where the row
+    has none (``local`` and ``fsdp``: neither)."""
+    import torch
+
+    row = a.row
     if row.startswith("tft"):
-        from torchft.local_sgd import DiLoCo
-
         manager = tft_manager(a, env, model, inner, env.nodes, a.store_port + env.node)
         if row == "tft-stream":
             n = len(model.layers) // 2
@@ -311,55 +228,55 @@ def worker(a: argparse.Namespace) -> int:
                      torch.nn.ModuleList([*model.layers[n:], model.norm, model.output])]
         else:
             frags = [model]
-        outer = [torch.optim.SGD(f.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-                 for f in frags]
-        diloco = DiLoCo(manager, frags, inner, outer if len(outer) > 1 else outer[0], sync_every=E,
-                        backup_device=torch.device("cpu"), pin_memory=False, use_bucketization=True,
-                        bucket_cap_mb=a.bucket_mb, fragment_sync_delay=1 if row == "tft-stream" else 0)
-        diloco.__enter__()
-    elif row.startswith("fl"):
+        return None, tft_diloco(a, manager, frags, inner, delay=1 if row == "tft-stream" else 0), manager
+    if row.startswith("fl"):
         import flcomm
 
         over = {"fl": 0, "fl-ovl": "auto", "fl-int8": "auto", "fl-frag": 1, "fl-avg": 0, "fl-hsdp": 0}[row]
-        cfg = flcomm.FedAvgConfig(sync_every=E, codec="int8" if row == "fl-int8" else "none",
+        cfg = flcomm.FedAvgConfig(sync_every=a.sync_every, codec="int8" if row == "fl-int8" else "none",
                                   error_feedback=row == "fl-int8", outer="avg" if row == "fl-avg" else "nesterov",
                                   outer_lr=OUTER_LR,
                                   outer_momentum=OUTER_MOMENTUM, overlap_steps=over,
                                   fragments=2 if row == "fl-frag" else 1, bucket_mb=a.bucket_mb)
-        fed = flcomm.FedAvg(model, mesh, cfg)
+        return flcomm.FedAvg(model, mesh, cfg), None, None
+    return None, None, None
 
-    loader, held = build_data(a, env)
+
+def _timed_steps(a: argparse.Namespace, env: Env, model: Any, inner: Any, fed: Any,
+                 loader: Any) -> tuple[list[float], list, dict]:
+    """The ``a.steps`` steps from a barrier: (each step's wall time, the shards after each sync
+    with ``--dump``, the node's interface tx bytes at the timed window's ``start`` and ``end``)."""
+    import torch.distributed as dist
+
     ifname = os.environ.get("PEERS_IFNAME") if env.local == 0 else None
-
     times, shards, tx = [], [], {}
     dist.barrier()
     t_prev = time.perf_counter()
     for step in range(1, a.steps + 1):
         if step == a.warmup + 1:
             tx["start"] = _tx_bytes(ifname)
-        x, y = loader.next_batch()
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        inner.step()          # torchft: DiLoCo's post-step hook syncs here
-        inner.zero_grad(set_to_none=True)
-        if fed is not None:
-            fed.step()
+        loss = train_step(model, inner, fed, loader)
         now = time.perf_counter()
         times.append(now - t_prev)
         t_prev = now
-        if a.dump and step % E == 0:
-            shards.append(_local_shard(model).clone())
+        if a.dump and step % a.sync_every == 0:
+            shards.append(local_shard(model).clone())
         if env.rank == 0 and not a.quiet:
-            print(f"[{row}] step {step}/{a.steps} loss {float(loss):.4f} {times[-1]:.3f} s", flush=True)
+            print(f"[{a.row}] step {step}/{a.steps} loss {float(loss):.4f} {times[-1]:.3f} s", flush=True)
     tx["end"] = _tx_bytes(ifname)
-    if fed is not None:
-        fed.finish()  # NOTE: the overlapped rows' last exchange applied before the evaluation
-    with torch.no_grad():
-        ev = [float(lm_loss(model(xe), ye)) for xe, ye in held]
-    # one more round under torch's memory profiler: the largest rise of allocated tensor bytes
-    # inside an optimizer step plus the synchronizer's step (the sync and the apply included)
+    return times, shards, tx
+
+
+def _transient_bytes(a: argparse.Namespace, model: Any, inner: Any, fed: Any, loader: Any) -> int:
+    """One more round (``--profile-memory``; else 0) under torch's memory profiler: the largest rise
+    of allocated tensor bytes inside an optimizer step plus the synchronizer's step (the sync and
+    the apply included)."""
+    import torch
+
+    from flcomm.train.model import lm_loss
+
     transient = 0
-    for _ in range(E if a.profile_memory else 0):
+    for _ in range(a.sync_every if a.profile_memory else 0):
         x, y = loader.next_batch()
         lm_loss(model(x), y).backward()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -368,22 +285,25 @@ def worker(a: argparse.Namespace) -> int:
             if fed is not None:
                 fed.step()
         transient = max(transient, peak_allocated(prof))
-    if fed is not None:
-        fed.finish()
+    return transient
+
+
+def _sync_bytes(model: Any, inner: Any, sync_obj: Any) -> int:
+    """The tensor bytes ``sync_obj`` retains, the parameters, their gradients and the inner
+    optimizer's state left out (0 without a synchronizer)."""
+    import torch
 
     params = list(model.parameters())
     exclude = _ptrs(params) | _ptrs(p.grad for p in params)
     for st in inner.state.values():
         exclude |= _ptrs(v for v in st.values() if isinstance(v, torch.Tensor))
-    sync_obj = diloco if diloco is not None else fed
-    sync_bytes = retained_bytes(sync_obj, exclude) if sync_obj is not None else 0
-    out = {"row": row, "rank": env.rank, "node": env.node, "local": env.local, "step_times": times,
-           "transient_bytes": transient,
-           "tx_start": tx.get("start"), "tx_end": tx["end"], "sync_bytes": sync_bytes,
-           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_before_mb": rss_before,
-           "eval_loss": statistics.fmean(ev), "params": sum(p.numel() for p in params)}
-    if fed is not None:
-        out["flcomm_memory_stats"] = fed.memory_stats()
+    return retained_bytes(sync_obj, exclude) if sync_obj is not None else 0
+
+
+def _save(a: argparse.Namespace, env: Env, out: dict, shards: list) -> None:
+    """This rank's record (``rank<r>.json``) and, with ``--dump``, its shards (``shards<r>.npy``)."""
+    import torch
+
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"rank{env.rank}.json"), "w") as f:
         json.dump(out, f)
@@ -391,15 +311,39 @@ def worker(a: argparse.Namespace) -> int:
         import numpy as np
 
         np.save(os.path.join(a.out, f"shards{env.rank}.npy"), torch.stack(shards).numpy(), allow_pickle=False)
-    if diloco is not None:
-        diloco.__exit__(None, None, None)
-        manager.shutdown(wait=False)
-        # NOTE: everything is written; torchft's background threads can abort the interpreter's
-        # teardown ("terminate called without an active exception", seen on one rank in 8)
-        sys.stdout.flush()
-        os._exit(0)
-    dist.destroy_process_group()
-    return 0
+
+
+def worker(a: argparse.Namespace) -> int:
+    """One rank of a row: the row's world and synchronizer, the timed steps, the held-out loss,
+    the profiled round and the memory figures, written to ``--out``."""
+    import torch
+
+    from flcomm.train.model import lm_loss
+
+    env = start_rank()
+    dm, mesh = _world_and_mesh(a, env, timedelta(seconds=a.timeout))
+    model, inner = build_model_sharded(a, dm)
+    rss_before = _rss_mb()
+    fed, diloco, manager = _synchronizer(a, env, model, inner, mesh)
+    loader, held = build_data(a, env)
+    times, shards, tx = _timed_steps(a, env, model, inner, fed, loader)
+    if fed is not None:
+        fed.finish()  # NOTE: the overlapped rows' last exchange applied before the evaluation
+    with torch.no_grad():
+        ev = [float(lm_loss(model(xe), ye)) for xe, ye in held]
+    transient = _transient_bytes(a, model, inner, fed, loader)
+    if fed is not None:
+        fed.finish()
+    sync_bytes = _sync_bytes(model, inner, diloco if diloco is not None else fed)
+    out = {"row": a.row, "rank": env.rank, "node": env.node, "local": env.local, "step_times": times,
+           "transient_bytes": transient,
+           "tx_start": tx.get("start"), "tx_end": tx["end"], "sync_bytes": sync_bytes,
+           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_before_mb": rss_before,
+           "eval_loss": statistics.fmean(ev), "params": sum(p.numel() for p in model.parameters())}
+    if fed is not None:
+        out["flcomm_memory_stats"] = fed.memory_stats()
+    _save(a, env, out, shards)
+    return end_rank(diloco, manager)
 
 
 def _rss_mb() -> float:
@@ -408,38 +352,6 @@ def _rss_mb() -> float:
 
 
 # ---------------------------------------------------------------- launching ----
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def reap(procs: list[subprocess.Popen], files: list[Any] = ()) -> None:
-    """Kill those of ``procs`` still running, wait for all, and close ``files`` (their logs)."""
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-    for f in files:
-        f.close()
-
-
-def serve(c: Any, node: int, code: str, log_path: str) -> subprocess.Popen:
-    """``python -c code`` in ``node`` of cluster ``c`` (a lighthouse or a store), its output to
-    ``log_path``; the caller reaps it."""
-    os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    with open(log_path, "w") as log:  # NOTE: the child keeps its own descriptor
-        return subprocess.Popen(c.exec_argv(node, [sys.executable, "-c", code]), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def lighthouse_code(port: int, min_replicas: int) -> str:
-    """The statements that start torchft's lighthouse on ``port`` (for :func:`serve`)."""
-    return (f"from torchft._torchft import LighthouseServer; "
-            f"h = LighthouseServer(bind='[::]:{port}', min_replicas={min_replicas}); "
-            "print('lighthouse', h.address(), flush=True); ")
-
 
 class LocalCluster:
     """The emulated cluster's launch interface on loopback, for machines without root: every
@@ -637,12 +549,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def bench(a: argparse.Namespace) -> int:
-    tft_version = require_torchft()
-    import torch
-
-    import flcomm
-
+def check_args(a: argparse.Namespace) -> None:
+    """Exit with what was expected and what came when the flags cannot make a run."""
     for r in a.rows:
         if r not in ROWS:
             sys.exit(f"--rows: expected some of {', '.join(ROWS)}, got {r!r}")
@@ -654,12 +562,44 @@ def bench(a: argparse.Namespace) -> int:
             sys.exit(f"--steps: expected a multiple of every --sync-every above it (the first round is the warm-up), "
                      f"got {a.steps} with E = {E}")
     for E in a.sync_every if a.recovery else ():
-        from bench.recovery import kill_step
-
-        k = kill_step(a, E)
+        k = recovery.kill_step(a, E)
         if not 1 <= k < a.steps - E:
             sys.exit(f"--kill-step: expected a step in [1, {a.steps - E}) for E = {E} (a sync must follow the "
                      f"restart), got {k}")
+
+
+def figures(a: argparse.Namespace, recs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The table's rows from the launched rows' records (the columns relative to the ``local``
+    row and the near-empty runs' fixed cost filled in) and the parity of ``fl`` against ``tft``
+    at each E."""
+    rows = [summarize(r, r["sync_every"]) for r in recs if not r["empty"]]
+    local = next((r for r in rows if r["row"] == "local"), None)
+    empties = {r["row"]: summarize(r, 1) for r in recs if r["empty"]}
+    for r in rows:
+        if local is not None and r["row"] != "local":
+            r["exposed_per_round_s"] = (r["step_s"] - local["step_s"]) * r["sync_every"]
+            r["rss_over_local_mb"] = r["peak_rss_mb"] - local["peak_rss_mb"]
+            r["sync_peak_mb"] = r["sync_mb"] + max(0.0, r["transient_mb"] - local["transient_mb"])
+        lib = "tft" if r["row"].startswith("tft") else "fl" if r["row"].startswith("fl") else None
+        if lib in empties and "local" in empties:
+            r["fixed_s"] = empties[lib]["step_s"] - empties["local"]["step_s"]
+    par = []
+    for E in a.sync_every:
+        fl = next((x for x in recs if x["row"] == "fl" and x["sync_every"] == E and not x["empty"]), None)
+        tf = next((x for x in recs if x["row"] == "tft" and x["sync_every"] == E and not x["empty"]), None)
+        if fl and tf:
+            par.append({"sync_every": E, **parity(fl["out"], tf["out"], a.nodes * a.ranks_per_node,
+                                                  a.ranks_per_node)})
+    return rows, par
+
+
+def bench(a: argparse.Namespace) -> int:
+    tft_version = require_torchft()
+    import torch
+
+    import flcomm
+
+    check_args(a)
     out_dir = a.out_dir or tempfile.mkdtemp(prefix="flcomm-peers-")
     load0 = os.getloadavg()[0]
     log = (lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
@@ -692,27 +632,8 @@ def bench(a: argparse.Namespace) -> int:
                 log(f"      FAILED, left out of the table: {e}")
         rec_rows = []
         if a.recovery:
-            from bench import recovery
-
             rec_rows = recovery.reanalyse(a.reanalyse) if a.reanalyse else recovery.run(c, a, out_dir, log)
-    rows = [summarize(r, r["sync_every"]) for r in recs if not r["empty"]]
-    local = next((r for r in rows if r["row"] == "local"), None)
-    empties = {r["row"]: summarize(r, 1) for r in recs if r["empty"]}
-    for r in rows:
-        if local is not None and r["row"] != "local":
-            r["exposed_per_round_s"] = (r["step_s"] - local["step_s"]) * r["sync_every"]
-            r["rss_over_local_mb"] = r["peak_rss_mb"] - local["peak_rss_mb"]
-            r["sync_peak_mb"] = r["sync_mb"] + max(0.0, r["transient_mb"] - local["transient_mb"])
-        lib = "tft" if r["row"].startswith("tft") else "fl" if r["row"].startswith("fl") else None
-        if lib in empties and "local" in empties:
-            r["fixed_s"] = empties[lib]["step_s"] - empties["local"]["step_s"]
-    par = []
-    for E in a.sync_every:
-        fl = next((x for x in recs if x["row"] == "fl" and x["sync_every"] == E and not x["empty"]), None)
-        tf = next((x for x in recs if x["row"] == "tft" and x["sync_every"] == E and not x["empty"]), None)
-        if fl and tf:
-            par.append({"sync_every": E, **parity(fl["out"], tf["out"], a.nodes * a.ranks_per_node,
-                                                  a.ranks_per_node)})
+    rows, par = figures(a, recs)
     loads = ("re-analysed from the recorded rows" if a.reanalyse else
              f"load average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
     head = (f"bench.peers: {a.model}, {a.nodes} nodes x {a.ranks_per_node} ranks, "
@@ -727,8 +648,6 @@ def bench(a: argparse.Namespace) -> int:
               f"groups' copies differ by at most {max(p['groups_spread_flcomm']):.1e} (flcomm), "
               f"{max(p['groups_spread_torchft']):.1e} (torchft)")
     if rec_rows:
-        from bench import recovery
-
         print(recovery.table(rec_rows))
     print(f"records in {out_dir}")
     if a.json:

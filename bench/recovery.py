@@ -49,18 +49,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.peers import (  # noqa: E402
+from bench.tft_common import (  # noqa: E402
     OUTER_LR,
     OUTER_MOMENTUM,
     Env,
-    _local_shard,
     build_data,
     build_model_sharded,
+    end_rank,
     free_port,
+    init_group_world,
     lighthouse_code,
+    local_shard,
     reap,
     serve,
+    start_rank,
+    tft_diloco,
     tft_manager,
+    train_step,
 )
 
 LIBS = ("tft", "fl")
@@ -71,66 +76,78 @@ RESTART_PORT_STRIDE = 100  # torchft: a restarted group's store port is base + n
 # ---------------------------------------------------------------- one rank ----
 
 def _digest(model: Any) -> str:
-    return hashlib.sha1(_local_shard(model).numpy().tobytes()).hexdigest()
+    return hashlib.sha1(local_shard(model).numpy().tobytes()).hexdigest()
 
 
-def worker(a: argparse.Namespace) -> int:
-    import torch
+class RankRecords:
+    """This rank's records, one JSON line each with its wall time, flushed as written: a killed
+    rank's records survive it (``rank<r>.inc<restart>.jsonl`` in ``out``)."""
+
+    def __init__(self, out: str, rank: int, restart: int) -> None:
+        os.makedirs(out, exist_ok=True)
+        self._file = open(os.path.join(out, f"rank{rank}.inc{restart}.jsonl"), "w")
+
+    def __call__(self, **kv: Any) -> None:
+        self._file.write(json.dumps({"t": time.time(), **kv}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _tft_rank(a: argparse.Namespace, env: Env, timeout: timedelta) -> tuple[Any, Any, Any, Any]:
+    """torchft's side of a rank: its group's world and store on a port of its incarnation, the
+    model, a Manager that lets the survivors go on alone (``min_replica_size=1``) and DiLoCo:
+    (model, inner, diloco, manager)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    port = a.store_port + env.node + RESTART_PORT_STRIDE * a.restart
+    init_group_world(env, port, timeout)
+    model, inner = build_model_sharded(a, init_device_mesh("cpu", (env.per_node,), mesh_dim_names=("shard",)))
+    manager = tft_manager(a, env, model, inner, 1, port)
+    return model, inner, tft_diloco(a, manager, [model], inner), manager
+
+
+def _fl_rank(a: argparse.Namespace, env: Env, store: Any, timeout: timedelta) -> tuple[Any, Any, Any]:
+    """flcomm's side of a rank: its group's world under its incarnation's prefix in the job's
+    store, the model and FedAvg in an elastic federation (a restarted group in ``rejoin_mode``):
+    (model, inner, fed)."""
     import torch.distributed as dist
 
-    from flcomm.train.model import lm_loss
+    import flcomm
+    from flcomm.federated.elastic import Federation
 
-    torch.set_num_threads(1)
-    env = Env.from_environ()
+    restarted = a.restart > 0
+    # NOTE: the group's world under a prefix of its incarnation, as the driver's --elastic
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"flcomm/group{env.node}/inc{a.restart}/", store),
+                            rank=env.local, world_size=env.per_node, timeout=timeout)
+    topo = flcomm.Strategy.FL_FSDP.topology(env.world, ranks_per_node=env.per_node, group_size=env.per_node)
+    mesh = topo.build("cpu", timeout=timeout, group_rank=env.rank)
+    model, inner = build_model_sharded(a, mesh.device_mesh["shard"])
+    federation = Federation(store, topo, env.rank, backend="gloo", timeout=timeout, grace_s=a.grace,
+                            stats=mesh.stats, rejoin_mode=restarted)
+    cfg = flcomm.FedAvgConfig(sync_every=a.sync_every, outer="nesterov", outer_lr=OUTER_LR,
+                              outer_momentum=OUTER_MOMENTUM, bucket_mb=a.bucket_mb)
+    return model, inner, flcomm.FedAvg(model, mesh, cfg, optimizer=inner, federation=federation,
+                                       sync_init=not restarted)
+
+
+def _start_together(store: Any, world: int) -> None:
+    """Wait in the job's store until all ``world`` ranks of the first incarnation are up."""
+    # NOTE: every group is in the first quorum (torchft's managers heartbeat by now; with
+    # min_replica_size=1 a late group would otherwise miss it and train alone)
+    store.add("started", 1)
+    store.wait(["started"])
+    while int(store.get("started")) < world:
+        time.sleep(0.05)
+
+
+def _train(a: argparse.Namespace, env: Env, model: Any, inner: Any, fed: Any, diloco: Any, manager: Any,
+           loader: Any, record: RankRecords) -> tuple[int, int]:
+    """The steps to ``a.steps`` (from the admitted step for a rejoining flcomm group), a record
+    per step, and the kill of ``a.kill_rank`` after its ``a.kill_step``-th iteration in the first
+    incarnation: (step, iterations) at the end."""
     E, restarted = a.sync_every, a.restart > 0
-    timeout = timedelta(seconds=a.timeout)
-    os.makedirs(a.out, exist_ok=True)
-    rec_file = open(os.path.join(a.out, f"rank{env.rank}.inc{a.restart}.jsonl"), "w")
-
-    def record(**kv: Any) -> None:
-        rec_file.write(json.dumps({"t": time.time(), **kv}) + "\n")
-        rec_file.flush()
-
-    record(event="start")
-    fed = diloco = manager = None
-    store = dist.TCPStore(env.addrs[0], a.job_port, is_master=False, timeout=timeout)
-    if a.lib == "tft":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torchft.local_sgd import DiLoCo
-
-        port = a.store_port + env.node + RESTART_PORT_STRIDE * a.restart
-        dist.init_process_group("gloo", init_method=f"tcp://{env.addrs[env.node]}:{port}", rank=env.local,
-                                world_size=env.per_node, timeout=timeout)
-        model, inner = build_model_sharded(a, init_device_mesh("cpu", (env.per_node,), mesh_dim_names=("shard",)))
-        manager = tft_manager(a, env, model, inner, 1, port)
-        outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-        diloco = DiLoCo(manager, [model], inner, outer, sync_every=E, backup_device=torch.device("cpu"),
-                        pin_memory=False, use_bucketization=True, bucket_cap_mb=a.bucket_mb)
-        diloco.__enter__()
-    else:
-        import flcomm
-        from flcomm.federated.elastic import Federation
-
-        # NOTE: the group's world under a prefix of its incarnation, as the driver's --elastic
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"flcomm/group{env.node}/inc{a.restart}/", store),
-                                rank=env.local, world_size=env.per_node, timeout=timeout)
-        topo = flcomm.Strategy.FL_FSDP.topology(env.world, ranks_per_node=env.per_node, group_size=env.per_node)
-        mesh = topo.build("cpu", timeout=timeout, group_rank=env.rank)
-        model, inner = build_model_sharded(a, mesh.device_mesh["shard"])
-        federation = Federation(store, topo, env.rank, backend="gloo", timeout=timeout, grace_s=a.grace,
-                                stats=mesh.stats, rejoin_mode=restarted)
-        cfg = flcomm.FedAvgConfig(sync_every=E, outer="nesterov", outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
-                                  bucket_mb=a.bucket_mb)
-        fed = flcomm.FedAvg(model, mesh, cfg, optimizer=inner, federation=federation, sync_init=not restarted)
-    loader, _ = build_data(a, env)
-    if not restarted:
-        # NOTE: every group is in the first quorum (torchft's managers heartbeat by now; with
-        # min_replica_size=1 a late group would otherwise miss it and train alone)
-        store.add("started", 1)
-        store.wait(["started"])
-        while int(store.get("started")) < env.world:
-            time.sleep(0.05)
-
     step = it = 0
     if fed is not None and restarted:
         step = fed.rejoin()
@@ -138,13 +155,7 @@ def worker(a: argparse.Namespace) -> int:
     loader.position = step * a.batch_size
     while step < a.steps:
         t_step = time.perf_counter()
-        x, y = loader.next_batch()
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        inner.step()  # torchft: DiLoCo's post-step hook syncs here
-        inner.zero_grad(set_to_none=True)
-        if fed is not None:
-            fed.step()
+        loss = train_step(model, inner, fed, loader)
         it += 1
         step += 1
         if not restarted:  # NOTE: a floor under the first incarnation's steps only (run_once)
@@ -161,17 +172,33 @@ def worker(a: argparse.Namespace) -> int:
         if not restarted and env.rank == a.kill_rank and it == a.kill_step:
             record(event="kill", step=step)
             os.kill(os.getpid(), signal.SIGKILL)
+    return step, it
+
+
+def worker(a: argparse.Namespace) -> int:
+    """One rank of a recovery run (``--restart``: its incarnation): the library's side, the start
+    barrier of the first incarnation, the steps, the records."""
+    import torch.distributed as dist
+
+    env = start_rank()
+    restarted, timeout = a.restart > 0, timedelta(seconds=a.timeout)
+    record = RankRecords(a.out, env.rank, a.restart)
+    record(event="start")
+    fed = diloco = manager = None
+    store = dist.TCPStore(env.addrs[0], a.job_port, is_master=False, timeout=timeout)
+    if a.lib == "tft":
+        model, inner, diloco, manager = _tft_rank(a, env, timeout)
+    else:
+        model, inner, fed = _fl_rank(a, env, store, timeout)
+    loader, _ = build_data(a, env)
+    if not restarted:
+        _start_together(store, env.world)
+    step, it = _train(a, env, model, inner, fed, diloco, manager, loader, record)
     if fed is not None:
         fed.finish()
     record(event="end", step=step, iter=it)
-    rec_file.close()
-    if diloco is not None:
-        diloco.__exit__(None, None, None)
-        manager.shutdown(wait=False)
-        sys.stdout.flush()
-        os._exit(0)  # NOTE: as bench.peers: torchft's threads can abort the interpreter's teardown
-    dist.destroy_process_group()
-    return 0
+    record.close()
+    return end_rank(diloco, manager)
 
 
 # ---------------------------------------------------------------- the supervisor ----
@@ -218,6 +245,7 @@ def supervise(c: Any, argv: list[str], ranks_per_node: int, env: dict[str, str],
 
 def _nodes(c: Any) -> int:
     # NOTE: duck-typed: under python -m bench.peers, its LocalCluster is __main__'s, not bench.peers'
+    # (and this module does not import bench.peers: both import bench.tft_common)
     return c.spec.nodes if hasattr(c, "spec") else c.nodes
 
 
