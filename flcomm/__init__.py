@@ -52,8 +52,8 @@ _LAZY = {
     "apply_all_reduce_hook": "flcomm.fsdp.fsdp2",
     "register_hierarchical_comm_hook": "flcomm.fsdp.fsdp1",
     # errors a training script may catch
-    "NonFiniteAverageError": "flcomm.federated.checks",
-    "ReplicaMismatchError": "flcomm.federated.checks",
+    "NonFiniteAverageError": "flcomm.federated.nonfinite",
+    "ReplicaMismatchError": "flcomm.federated.verify",
     "GroupLostError": "flcomm.federated.elastic",
     "TooFewGroupsError": "flcomm.federated.elastic",
     "EngineError": "flcomm.comm.engine",

@@ -72,7 +72,6 @@ from flcomm.collectives.compressed import (
     wire_numel,
 )
 from flcomm.collectives.staging import StagingPool, _grow, arena, bucket_dtype
-from flcomm.collectives.staging import span  # noqa: F401  NOTE: until fedavg imports it from staging
 from flcomm.comm.base import ReduceOp, Transport
 from flcomm.comm.engine import Job, ProgressEngine, get_engine
 

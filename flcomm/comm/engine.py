@@ -59,11 +59,12 @@ def _rank() -> int:
 
 
 class EngineError(RuntimeError):
-    """A job of the progress engine failed; ``rank``, ``job`` and ``stage`` say where."""
+    """A job of the progress engine failed; ``rank``, ``job`` and ``stage`` say where, and
+    ``group`` the mesh dim that stage talks over when the job said it (:attr:`Job.stage_group`)."""
 
-    def __init__(self, message: str, rank: int, job: str, stage: str) -> None:
+    def __init__(self, message: str, rank: int, job: str, stage: str, group: str | None = None) -> None:
         super().__init__(message)
-        self.rank, self.job, self.stage = rank, job, stage
+        self.rank, self.job, self.stage, self.group = rank, job, stage, group
 
 
 class EngineTimeout(EngineError, TimeoutError):
@@ -72,11 +73,13 @@ class EngineTimeout(EngineError, TimeoutError):
 
 class Job:
     """Handle of one submitted job. The job's function sets ``job.stage`` as it goes, so errors
-    and timeouts can name the stage; ``result`` is what it returned."""
+    and timeouts can name the stage (and ``job.stage_group``, the mesh dim a stage talks over
+    when it is not the job's usual one: the error's ``group``); ``result`` is what it returned."""
 
     def __init__(self, name: str, fn: Callable[[Job], Any], rank: int) -> None:
         self.name, self._fn, self.rank = name, fn, rank
         self.stage = "queued"
+        self.stage_group: str | None = None
         self.result: Any = None
         self.error: BaseException | None = None
         self.elapsed_s = 0.0
@@ -144,7 +147,7 @@ class Job:
         if isinstance(e, EngineError):
             raise e
         raise EngineError(f"rank {self.rank}: {self.name} failed in stage {self.stage!r}: "
-                          f"{type(e).__name__}: {e}", self.rank, self.name, self.stage) from e
+                          f"{type(e).__name__}: {e}", self.rank, self.name, self.stage, self.stage_group) from e
 
     def wait(self, timeout: timedelta | float | None = None) -> Any:
         """Block until the job is done (CPU) or make the current CUDA stream wait for it; re-raise
@@ -154,7 +157,7 @@ class Job:
         self.waited = True
         if not ok:
             raise EngineTimeout(f"rank {self.rank}: {self.name} did not finish within {secs:g} s "
-                                f"(still in stage {self.stage!r})", self.rank, self.name, self.stage)
+                                f"(still in stage {self.stage!r})", self.rank, self.name, self.stage, self.stage_group)
         if self._event is not None:  # NOTE: before raising too: see _run
             torch.cuda.current_stream(self._device).wait_event(self._event)
         if self.error is not None:

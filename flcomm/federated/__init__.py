@@ -13,8 +13,8 @@ from flcomm._lazy import lazy_exports
 _LAZY = {
     "FedAvg": "flcomm.federated.fedavg",
     "FedAvgConfig": "flcomm.federated.config",
-    "NonFiniteAverageError": "flcomm.federated.checks",
-    "ReplicaMismatchError": "flcomm.federated.checks",
+    "NonFiniteAverageError": "flcomm.federated.nonfinite",
+    "ReplicaMismatchError": "flcomm.federated.verify",
     "FedMesh": "flcomm.federated.mesh",
     "RankCoords": "flcomm.federated.topology",
     "Topology": "flcomm.federated.topology",

@@ -10,14 +10,18 @@ its fields (:meth:`FedAvgConfig.add_arguments`), the cost model's
     cfg = FedAvgConfig(sync_every=8, codec="int8", error_feedback=True, overlap_steps="auto")
     fed = FedAvg(model, mesh, cfg)              # or FedAvg(model, mesh, sync_every=8, ...)
 
-Also here: :func:`check_inputs` (the mesh and the optimizer FedAvg is given) and
-:func:`one_device` (the averaged tensors).
+Also here: :func:`add_field_arguments` (a config's command-line flags, made from its fields'
+metadata: FedAvg's and the trainer's), :func:`check_inputs` (the mesh and the optimizer FedAvg is
+given) and :func:`one_device` (the averaged tensors).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import types
+import typing
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -29,8 +33,8 @@ from flcomm.federated.outer import Outer
 from flcomm.kernels import BLOCKED_FORMATS
 from flcomm.validate import integer, number
 
-__all__ = ["AUTO", "RESIDUAL_DTYPES", "FedAvgConfig", "check_inputs", "must_match_on_resume", "one_device",
-           "parse_overlap_steps"]
+__all__ = ["AUTO", "RESIDUAL_DTYPES", "FedAvgConfig", "add_field_arguments", "check_inputs", "must_match_on_resume",
+           "one_device", "parse_overlap_steps"]
 
 RESIDUAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 AUTO = "auto"  # overlap_steps: FedAvg picks k from the first exchanges (flcomm.federated.autotune)
@@ -39,14 +43,78 @@ AUTO = "auto"  # overlap_steps: FedAvg picks k from the first exchanges (flcomm.
 _UNSET = object()
 
 
-def _setting(default: Any, help: str, source: str = "flcomm", *, resume: Any = _UNSET) -> Any:
+def parse_overlap_steps(text: str) -> int | str:
+    """A command line's overlap_steps: ``auto`` or an integer."""
+    return AUTO if text.strip().lower() == AUTO else int(text)
+
+
+def _setting(default: Any, help: str, source: str = "flcomm", *, resume: Any = _UNSET,
+             flag: dict[str, Any] | None = None, also: dict[str, dict[str, Any]] | None = None) -> Any:
     """A field of :class:`FedAvgConfig` with its command-line help and where it comes from.
     ``resume``: a saved FedAvg state loads only into a run with the same value of this field,
-    and a state saved without the field had this value (:func:`must_match_on_resume`)."""
-    meta = {"help": help, "source": source}
+    and a state saved without the field had this value (:func:`must_match_on_resume`).
+    ``flag`` and ``also``: the flag's own add_argument keywords and more flags for the field
+    (:func:`add_field_arguments`)."""
+    meta: dict[str, Any] = {"help": help, "source": source}
     if resume is not _UNSET:
         meta["must_match_on_resume"] = resume
+    meta.update({k: v for k, v in (("flag", flag), ("also", also)) if v})
     return field(default=default, metadata=meta)
+
+
+def _flag_kind(tp: Any) -> type:
+    """What the flag of a field of type ``tp`` parses: bool (a switch), int or float when ``tp``
+    is one of them (or one of them | None), else str."""
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    args = tuple(a for a in args if a is not type(None))
+    return args[0] if len(args) == 1 and args[0] in (bool, int, float) else str
+
+
+def add_field_arguments(parser: Any, config: Any, *, groups: Collection[str | None] | None = None,
+                        into: dict[str | None, Any] | None = None, show_defaults: bool = True) -> None:
+    """The command-line flags of the dataclass instance ``config``: one per field whose metadata
+    has a ``"help"`` (None: a flag without help), in field order, defaulting to the field's value
+    in ``config``:
+
+    1. the flag of ``sync_every`` is ``--sync-every``, read back as ``args.sync_every``;
+    2. its kind comes from the field's type (``typing.get_type_hints``, None dropped from a
+       union): a switch ``--x / --no-x`` for bool, int, float, else str (the config's
+       ``__post_init__`` checks and converts it: a Strategy is given as its name);
+    3. ``metadata["flag"]``: add_argument keywords of its own (``action="store_true"``,
+       ``type=parse_overlap_steps``); ``metadata["also"]``: ``{flag: keywords}``, more flags for
+       the field, right after it (``--overlap``);
+    4. with ``show_defaults``, the help ends with the default (a switch's only when it is None:
+       neither ``--x`` nor ``--no-x``).
+
+    ``metadata["group"]`` is the title of the argparse group of ``parser`` the flag goes in, made
+    at its first flag unless ``into`` holds it (none or None: ``parser`` itself); ``groups``:
+    only the fields of these titles (None: all). A field holding a config that has
+    ``add_arguments`` (``TrainConfig.fedavg``) adds that config's flags in its group.
+    """
+    made = dict(into or {})
+    hints = typing.get_type_hints(type(config))
+    for f in fields(config):
+        title, tp = f.metadata.get("group"), hints[f.name]
+        nested = isinstance(tp, type) and dataclasses.is_dataclass(tp) and hasattr(tp, "add_arguments")
+        if (groups is not None and title not in groups) or not (nested or "help" in f.metadata):
+            continue
+        if title not in made:
+            made[title] = parser if title is None else parser.add_argument_group(title)
+        target, value = made[title], getattr(config, f.name)
+        if nested:
+            tp.add_arguments(target, value)
+            continue
+        kind, help_ = _flag_kind(tp), f.metadata["help"]
+        if kind is bool:
+            kw: dict[str, Any] = {"action": argparse.BooleanOptionalAction}
+            shown = " (default: None)" if value is None else ""
+        else:
+            kw, shown = {"type": kind}, " (default: %(default)s)"
+        kw.update(default=value, help=help_ + shown if show_defaults and help_ is not None else help_)
+        kw.update(f.metadata.get("flag", {}))
+        target.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kw)
+        for other, more in f.metadata.get("also", {}).items():
+            target.add_argument(other, dest=f.name, **more)
 
 
 def must_match_on_resume() -> dict[str, Any]:
@@ -83,7 +151,11 @@ class FedAvgConfig:
                                         " (average and reset need the optimizer)", "paper")
     overlap_steps: int | str = _setting(0, "k: apply each exchange k steps after its sync, while training "
                                            "goes on (0: blocking; 1..E; 'auto': the smallest k that hides "
-                                           "the exchange, measured on the first syncs)", "Streaming DiLoCo")
+                                           "the exchange, measured on the first syncs)", "Streaming DiLoCo",
+                                        flag={"type": parse_overlap_steps},
+                                        also={"--overlap": {"action": "store_const", "const": AUTO,
+                                                            "help": "overlap the exchanges with compute: "
+                                                                    "--overlap-steps auto"}})
     fragments: int = _setting(1, "K, dividing E: sync 1/K of the shard every E/K steps", "Streaming DiLoCo",
                               resume=1)
     bucket_mb: float = _setting(25.0, "bucket size of the exchange, in MiB")
@@ -156,9 +228,22 @@ class FedAvgConfig:
         themselves are averaged in place, and FedAvg keeps no anchor."""
         return self.codec == "none" and self.outer == "avg" and not self.overlap and not self.error_feedback
 
-    def make_codec(self) -> Codec:
+    @property
+    def codec_obj(self) -> Codec:
         """The codec object (the one given, or the named codec with ``block_size``)."""
         return self._codec  # type: ignore[attr-defined]
+
+    @property
+    def outer_kind(self) -> Outer:
+        return Outer.parse(self.outer)
+
+    @property
+    def inner_kind(self) -> InnerState:
+        return InnerState.parse(self.inner_state)
+
+    @property
+    def residual_torch_dtype(self) -> torch.dtype:
+        return RESIDUAL_DTYPES[self.residual_dtype]
 
     def check_elastic(self) -> None:
         """ValueError for the settings an elastic federation (:mod:`flcomm.federated.elastic`)
@@ -202,41 +287,21 @@ class FedAvgConfig:
             return config
         if "codec" not in settings and "block_size" not in settings:
             # NOTE: a codec object given to the first config stays the codec
-            settings = {**settings, "codec": config.make_codec(), "block_size": None}
+            settings = {**settings, "codec": config.codec_obj, "block_size": None}
         return dataclasses.replace(config, **settings)
 
     # ------------------------------------------------------------------ command line
     @classmethod
     def add_arguments(cls, group: Any, defaults: FedAvgConfig | None = None) -> None:
         """One flag per field on ``group`` (an argparse parser or group), ``--sync-every`` for
-        ``sync_every``, with the field's help and default; ``--overlap`` alone means
-        ``--overlap-steps auto``. :meth:`from_args` reads them back."""
-        d = defaults or cls()
-        for f in fields(cls):
-            flag, value, help_ = "--" + f.name.replace("_", "-"), getattr(d, f.name), f.metadata["help"]
-            if f.type in ("bool", "bool | None"):
-                # NOTE: argparse shows a switch's default itself, except None
-                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=value,
-                                   help=help_ + (" (default: None)" if value is None else ""))
-            elif f.name == "overlap_steps":
-                group.add_argument(flag, dest=f.name, type=parse_overlap_steps, default=value,
-                                   help=help_ + " (default: %(default)s)")
-                group.add_argument("--overlap", dest=f.name, action="store_const", const=AUTO,
-                                   help="overlap the exchanges with compute: --overlap-steps auto")
-            else:
-                kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)
-                group.add_argument(flag, dest=f.name, type=kind, default=value,
-                                   help=help_ + " (default: %(default)s)")
+        ``sync_every``, with the field's help and default (:func:`add_field_arguments`);
+        ``--overlap`` alone means ``--overlap-steps auto``. :meth:`from_args` reads them back."""
+        add_field_arguments(group, defaults or cls())
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FedAvgConfig:
         """The config of the flags :meth:`add_arguments` made."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-
-
-def parse_overlap_steps(text: str) -> int | str:
-    """A command line's overlap_steps: ``auto`` or an integer."""
-    return AUTO if text.strip().lower() == AUTO else int(text)
 
 
 def check_inputs(mesh: Any, optimizer: Any, inner_state: InnerState) -> None:

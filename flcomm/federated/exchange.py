@@ -55,17 +55,18 @@ import torch
 from torch import Tensor
 
 from flcomm.apply import apply_function
-from flcomm.codecs import Codec
-from flcomm.collectives.bucketing import BucketedAllReduce, Segment, StagingPool, bucket_dtype
+from flcomm.collectives.bucketing import BucketedAllReduce, Segment
+from flcomm.collectives.staging import StagingPool, bucket_dtype
 from flcomm.federated.shards import nonfinite
 
 if TYPE_CHECKING:
     from flcomm.collectives.compressed import GatherPlan, TwoHopPlan
     from flcomm.comm.base import Transport
     from flcomm.comm.engine import Job
+    from flcomm.federated.config import FedAvgConfig
     from flcomm.federated.outer import OuterOptimizer
 
-__all__ = ["DeltaExchange", "ExchangeResult", "SlicedAllReduce"]
+__all__ = ["DeltaExchange", "ExchangeBuffers", "ExchangeResult", "SlicedAllReduce"]
 
 
 @dataclass
@@ -100,45 +101,55 @@ class SlicedAllReduce(BucketedAllReduce):
                 plan.decode(buf[q * n: (q + 1) * n], out)
 
 
+@dataclass
+class ExchangeBuffers:
+    """What an exchange updates beside the local shards, per tensor: ``anchors`` (None: the
+    paper's in-place mode, no anchor), ``own`` (overlap: the local shard as of the sync when an
+    exchange starts, which the exchange turns into the pending correction; else None), the
+    ``outer`` optimizer and ``momentum_index[i]``, tensor i's momentum buffer (None: buffers and
+    non-parameters take the plain average)."""
+
+    anchors: list[Tensor] | None = None
+    own: list[Tensor] | None = None
+    outer: OuterOptimizer | None = None
+    momentum_index: list[int | None] | None = None
+
+
 class DeltaExchange:
     """Averages a rank's shards over ``transport`` (module docstring).
 
     Args:
         transport: the fed group.
         tensors: the local shards (their shapes and dtypes define the layout).
-        codec, bucket_mb, error_feedback: of the :class:`BucketedAllReduce`.
-        in_place: the paper's mode (no anchor; buckets in the tensors' own dtypes).
-        anchors: the anchor of each tensor (delta modes).
-        own: per tensor (overlap), the local shard as of the sync when an exchange starts, which
-            the exchange turns into the pending correction; else None.
-        outer: the outer optimizer; ``momentum_index[i]`` is tensor i's momentum buffer (or None:
-            buffers and non-parameters take the plain average).
-        replicate: the replicas' private group (:meth:`FedMesh.exchange_replicate_transport`): exchange one slice
-            per replica and all-gather (module docstring); None exchanges everything.
-        offload: the anchors, own copies, momentum and residuals live in host memory and are
-            staged through the device (module docstring); nothing to offload in place.
-        residual_dtype, staging: of the :class:`BucketedAllReduce`.
+        config: the settings (:class:`~flcomm.federated.config.FedAvgConfig`): its codec,
+            ``bucket_mb``, ``error_feedback``, ``offload`` (the anchors, own copies, momentum and
+            residuals live in host memory and are staged through the device, module docstring;
+            nothing to offload in place) and ``residual_dtype``.
+        buffers: the :class:`ExchangeBuffers`; no anchors is the paper's mode (buckets in the
+            tensors' own dtypes).
+        staging: of the :class:`BucketedAllReduce`.
+        replicate: the replicas' private group (:meth:`FedMesh.exchange_replicate_transport`):
+            exchange one slice per replica and all-gather (module docstring); None exchanges
+            everything.
         apply_scratch: offload: :meth:`add_own` stages through a scratch bucket of its own in the
             staging pool (module docstring), not through the exchange's scratch.
     """
 
-    def __init__(self, transport: Transport, tensors: list[Tensor], *, codec: Codec, bucket_mb: float,
-                 error_feedback: bool, in_place: bool, anchors: list[Tensor] | None = None,
-                 own: list[Tensor] | None = None, outer: OuterOptimizer | None = None,
-                 momentum_index: list[int | None] | None = None, offload: bool = False,
-                 residual_dtype: torch.dtype = torch.float32, staging: StagingPool | None = None,
+    def __init__(self, transport: Transport, tensors: list[Tensor], config: FedAvgConfig,
+                 buffers: ExchangeBuffers | None = None, *, staging: StagingPool | None = None,
                  replicate: Transport | None = None, apply_scratch: bool = False) -> None:
+        buffers = buffers or ExchangeBuffers()
+        in_place = buffers.anchors is None
         # NOTE: the in-place mode keeps nothing at full size: nothing to offload, so it keeps
         # the double-buffered pipeline
-        self.codec, self.in_place, self.offload = codec, in_place, bool(offload) and not in_place
-        self.anchors, self.own, self.outer = anchors, own, outer
-        self.momentum_index = momentum_index or [None] * len(tensors)
+        self.codec, self.in_place = config.codec_obj, in_place
+        self.offload = config.offload is not None and not in_place
+        self.anchors, self.own, self.outer = buffers.anchors, buffers.own, buffers.outer
+        self.momentum_index = buffers.momentum_index or [None] * len(tensors)
         self.apply_scratch = apply_scratch
-        if not in_place and anchors is None:
-            raise ValueError("the delta modes need the anchors")
-        self.bar = SlicedAllReduce(transport, tensors, codec=codec, bucket_mb=bucket_mb,
-                                   error_feedback=error_feedback, op="avg", keep_dtype=in_place,
-                                   offload=self.offload, residual_dtype=residual_dtype, staging=staging,
+        self.bar = SlicedAllReduce(transport, tensors, codec=self.codec, bucket_mb=config.bucket_mb,
+                                   error_feedback=config.error_feedback, op="avg", keep_dtype=in_place,
+                                   offload=self.offload, residual_dtype=config.residual_torch_dtype, staging=staging,
                                    replicate=replicate)
         self._apply = apply_function(self.bar.device)  # NOTE: decided once, not per piece
 

@@ -49,22 +49,23 @@ tensors at the steps with ``(step - k E / K) % E == 0``, so each sync moves 1/K 
 (Streaming DiLoCo).
 With ``overlap_steps > E / K`` a fragment's apply meets another fragment's exchange in flight.
 
-Memory: :mod:`flcomm.federated.memory` (:meth:`FedAvg.memory_stats`).
+Each fragment is a :class:`~flcomm.federated.fragment.Fragment` (its tensors, exchange, flags and
+job); FedAvg keeps the schedule, the arenas and the state. Memory: :meth:`FedAvg.memory_stats`.
 
 An average with NaN/Inf, or built from a non-finite delta (which a lossy codec may hide), is
 refused: the bad ranks (and a bit for buckets whose average overflowed) are OR-ed over the
 federation group (by the job, on a private group transport, so the loop runs no collective at
 the apply; an elastic federation's redone rounds OR them at the apply), so every rank of every
 group raises the same
-:class:`~flcomm.federated.checks.NonFiniteAverageError`; non-finite error-feedback residuals are
+:class:`~flcomm.federated.nonfinite.NonFiniteAverageError`; non-finite error-feedback residuals are
 zeroed. A fed group that saw a non-finite delta leaves its weights and anchor unchanged; other fed groups may have
 applied theirs, so the error is fatal (restore a checkpoint). Only floating tensors are averaged
 (see :mod:`flcomm.federated.shards` for buffers). Precision is never cut: fp64 tensors travel in
 fp64 (codec none; a lossy codec refuses them).
 
 Around it: the settings are a :class:`~flcomm.federated.config.FedAvgConfig`; the model's
-sharding against the topology, the step order and the replica check (``verify``) are in
-:mod:`flcomm.federated.checks`; checkpoints live in
+sharding against the topology and the step order are in :mod:`flcomm.federated.sharding`, the
+replica check (``verify``) in :mod:`flcomm.federated.verify`; checkpoints live in
 :mod:`flcomm.federated.persist`; an elastic federation agrees on each round in the protocol,
 :meth:`Federation.run_round <flcomm.federated.elastic.Federation.run_round>`, with FedAvg's
 redo / restore / rebind / handover as callbacks.
@@ -75,57 +76,32 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from flcomm.collectives.bucketing import StagingPool, arena, bucket_dtype, span
+from flcomm.collectives.staging import StagingPool, arena, bucket_dtype, span
 from flcomm.comm.engine import Job, get_engine
-from flcomm.federated import checks
 from flcomm.federated.autotune import AutoOverlap
-from flcomm.federated.checks import ReplicaCheck, StepOrder, check_sharding, non_finite_error, or_flags
-from flcomm.federated.config import AUTO, RESIDUAL_DTYPES, FedAvgConfig, check_inputs, one_device
-from flcomm.federated.elastic import snapshot
-from flcomm.federated.exchange import DeltaExchange, ExchangeResult
+from flcomm.federated.config import AUTO, FedAvgConfig, check_inputs, one_device
+from flcomm.federated.exchange import DeltaExchange, ExchangeBuffers, ExchangeResult
 from flcomm.federated.exposure import ExposedTime, cuda_event
+from flcomm.federated.fragment import LATE_EXCHANGES, Fragment, Links, memory_stats
 from flcomm.federated.inner import InnerState, sync_inner_state
-from flcomm.federated.memory import memory_stats
 from flcomm.federated.outer import Outer, OuterOptimizer
 from flcomm.federated.persist import FedAvgCheckpoint
-from flcomm.federated.shards import broadcast, check_same_shards, collect_slots, nonfinite, partition
+from flcomm.federated.sharding import StepOrder, check_sharding
+from flcomm.federated.shards import broadcast, check_same_shards, collect_slots, partition
+from flcomm.federated.verify import ReplicaCheck
 
 if TYPE_CHECKING:
+    from flcomm.comm.base import Transport
     from flcomm.federated.elastic import Federation
     from flcomm.federated.mesh import FedMesh
 
 _log = logging.getLogger(__name__)
-AGREE_STAGE = "non-finite flags agreement over the group"  # the job's stage that talks over the group
-LATE_EXCHANGES = 3  # overlap: this many exchanges in a row still running when due make FedAvg warn
-
-
-@dataclass
-class _Fragment:
-    """One fragment of the averaged tensors (all of them when ``fragments=1``): it syncs at the
-    steps with ``(step - offset) % E == 0`` and has its own exchange, flags and job in flight."""
-
-    index: int
-    offset: int
-    slots: list[int]  # indices into FedAvg.slots
-    xidx: list[int]  # the non-empty ones, exchanged
-    exchange: DeltaExchange | None
-    flags: Tensor
-    world_flags: Tensor  # the world's bad ranks and an overflow bit, OR-ed over the federation group
-    job: Job | None = None
-    apply_at: int = 0
-    sync_step: int = 0
-    restore: Callable[[], None] | None = None  # elastic: puts back what the round mutates, as of its start
-    applied: int = 0  # exchanges of this fragment applied in this process
-    late: int = 0  # consecutive exchanges still running when they were due (overlap)
-    own_ready: Any = None  # offload on CUDA: an event after the copies of the local shards into own
-    own_span: Tensor | None = None  # own's tensors as one view, when on the device and end to end (bucketing.span)
-    own_bad: Tensor | None = None  # this rank's non-finite flag at the sync (kept for an elastic redo)
 
 
 class FedAvg:
@@ -135,7 +111,7 @@ class FedAvg:
         model: an FSDP2 model (sharded with a mesh inside the federation group), an FSDP1 model
             (``FullyShardedDataParallel`` at the root, process groups inside the federation
             group) or a plain module replicated inside the group; the sharding must match the
-            topology (:func:`~flcomm.federated.checks.check_sharding`).
+            topology (:func:`~flcomm.federated.sharding.check_sharding`).
         mesh: the :class:`~flcomm.federated.topology.FedMesh` of this rank.
         config: the settings, a :class:`~flcomm.federated.config.FedAvgConfig` (its fields say
             what each one does); keyword ``settings`` replace fields of it (or of the default
@@ -169,44 +145,36 @@ class FedAvg:
         cfg = self.config = FedAvgConfig.make(config, **settings)
         if federation is not None:
             cfg.check_elastic()
-        self.federation, self.fragments, self.offload = federation, cfg.fragments, cfg.offload
-        self.residual_dtype = RESIDUAL_DTYPES[cfg.residual_dtype]
-        self.codec_spec, self.codec = cfg.make_codec(), cfg.codec
-        self.outer_kind, self.inner_state = Outer.parse(cfg.outer), InnerState.parse(cfg.inner_state)
-        check_inputs(mesh, optimizer, self.inner_state)
-        self.model, self.mesh, self.optimizer, self.sync_every = model, mesh, optimizer, cfg.sync_every
-        self.error_feedback, self.overlap = cfg.error_feedback, cfg.overlap
+        check_inputs(mesh, optimizer, cfg.inner_kind)
+        self.model, self.mesh, self.optimizer, self.federation = model, mesh, optimizer, federation
         # NOTE: "auto" measures with the largest k that keeps fragments apart, then settles
         self.auto_overlap = AutoOverlap(cfg.sync_every // cfg.fragments) if cfg.overlap_steps == AUTO else None
-        self.bucket_mb, self.sharded_exchange = cfg.bucket_mb, cfg.sharded_exchange
-        #: the settings saved with the state (:meth:`FedAvgConfig.to_dict`)
-        self.checkpoint_config = cfg.to_dict()
-        self.in_place = self.checkpoint_config["in_place"]
         self.topology, self.federated, self.rank = mesh.topology, mesh.topology.federated, mesh.rank
         self.steps = self.num_syncs = 0
         self._exposure = ExposedTime(events=False)
-        self._frags: list[_Fragment] = []
+        self._frags: list[Fragment] = []
         self._warned_slow = False  # NOTE: the late-exchange warning, once
-        self._outer = OuterOptimizer(self.outer_kind, cfg.outer_lr, cfg.outer_momentum)
-        self.kind, self.slots = collect_slots(model)
-        check_sharding(model, mesh, self.kind, replicated)
+        self._outer = OuterOptimizer(cfg.outer_kind, cfg.outer_lr, cfg.outer_momentum)
+        self._kind, self.slots = collect_slots(model)
+        check_sharding(model, mesh, self._kind, replicated)
         self._order = StepOrder(optimizer, model)
+        self._anchor: list = []
+        self._own: list | None = None
         if self.federated:
             self._init_federated(sync_init)
         self._checkpoint = FedAvgCheckpoint(
-            self.topology, self.checkpoint_config, rank=self.rank, elastic=federation is not None,
+            self.topology, cfg.to_dict(), rank=self.rank, elastic=federation is not None,
             names=[s.name for s in self.slots], is_param=[s.is_param for s in self.slots],
             anchors=self._anchor if self.federated else None, outer=self._outer,
             exchanges=lambda: [fr.exchange for fr in self._frags])
-        self._verify = ReplicaCheck(self, cfg.verify)
         self._align_first = self.federated and sync_init and federation is None  # NOTE: see step()
-        if self._align_first and not self.in_place and self.inner_state is InnerState.KEEP:
+        if self._align_first and not cfg.in_place and cfg.inner_kind is InnerState.KEEP:
             self._warm_up()
 
     def _align(self) -> None:
         """A barrier over the group, then the fed group: every rank leaves together (counts no bytes)."""
-        self.group_transport.barrier()
-        self.transport.barrier()
+        self._links.group.barrier()
+        self._links.fed.barrier()
 
     @torch.no_grad()
     def _warm_up(self) -> None:
@@ -223,85 +191,76 @@ class FedAvg:
         self._exposure.reset(0.0)
 
     def _init_federated(self, sync_init: bool) -> None:
-        mesh = self.mesh
+        mesh, cfg, elastic = self.mesh, self.config, self.federation is not None
         if self.federation is not None:
-            self.fed_ranks: list[int] = self.federation.fed_ranks
+            fed_ranks: list[int] = self.federation.fed_ranks
             # NOTE: none until a rejoining group is admitted (rejoin())
-            self.transport = self.federation.transport if self.federation.joined else None
+            fed = self.federation.transport if self.federation.joined else None
         else:
-            self.fed_ranks = list(mesh.group_ranks["fed"])
-            self.transport = mesh.transport("fed")
-        self.group_transport = mesh.transport("group")
+            fed_ranks, fed = list(mesh.group_ranks["fed"]), mesh.transport("fed")
+        if fed is not None:
+            check_same_shards(self.slots, fed, fed_ranks)
+        locals_ = [s.local for s in self.slots]
+        device = one_device(locals_)
         # NOTE: the job's refusal flags agreement (not the loop's group: it issues from the engine's
         # thread); an elastic federation's rounds may be redone, so they agree at the apply instead
-        self._agree = mesh.private_transport("flags_agree", "group") if self.federation is None else None
-        if self.transport is not None:
-            check_same_shards(self.slots, self.transport, self.fed_ranks)
-        locals_ = [s.local for s in self.slots]
-        self.device = one_device(locals_)
-        self.is_param = [s.is_param for s in self.slots]
-        self._fed_index = self.fed_ranks.index(self.rank)
-        if sync_init and self.transport is not None:
-            broadcast(self.transport, [s.local for s in self.slots], 0)  # NOTE: all start from group 0's model
+        self._links = links = Links(
+            self.topology, device, mesh.transport("group"),
+            mesh.private_transport("flags_agree", "group") if not elastic else None, mesh.timeout,
+            mesh.native_transports(), ExposedTime(events=device.type == "cuda", new_event=lambda: cuda_event(device)),
+            rank=self.rank)
+        self._exposure = links.exposure
+        links.bind(fed, fed_ranks, get_engine(device, "exchange"))
+        self._verify = ReplicaCheck(cfg.verify, self.topology, self.rank, device, links.group, self._over_fed)
+        if sync_init and fed is not None:
+            broadcast(fed, locals_, 0)  # NOTE: all start from group 0's model
             # NOTE: a one-to-all broadcast ends at different times on different groups (seconds on a
             # slow link): the wait is paid now, not by the first sync's step
             self._align()
-        self._exposure = ExposedTime(events=self.device.type == "cuda", new_event=lambda: cuda_event(self.device))
-        work = [bucket_dtype(t.dtype, self.in_place) for t in locals_]
-        home = torch.device("cpu") if self.offload else self.device
-        pin = self.offload is not None and self.device.type == "cuda"
+        work = [bucket_dtype(t.dtype, cfg.in_place) for t in locals_]
+        home = torch.device("cpu") if cfg.offload else device
+        pin = cfg.offload is not None and device.type == "cuda"
         specs = [(tuple(t.shape), d) for t, d in zip(locals_, work)]
         # NOTE: one allocation per kind (arena): pinned memory is what memory_stats counts
-        self._anchor = [] if self.in_place else arena(specs, home, pin)
+        self._anchor[:] = [] if cfg.in_place else arena(specs, home, pin)
         with torch.no_grad():
             for a, t in zip(self._anchor, locals_):
                 a.copy_(t)
-        self._own = arena(specs, home, pin) if self.overlap else None
-        params = [(tuple(a.shape), a.dtype) for a, p in zip(self._anchor, self.is_param) if p]
-        self._outer.buffers = arena(params, home, pin) if self.outer_kind is Outer.NESTEROV else []
-        mom, n = [], 0
-        for p in self.is_param:
-            mom.append(n if p and self.outer_kind is Outer.NESTEROV else None)
-            n += int(p)
-        self._mom = mom
+        self._own = arena(specs, home, pin) if cfg.overlap else None
+        is_param = [s.is_param for s in self.slots]
+        nesterov = cfg.outer_kind is Outer.NESTEROV
+        params = [(tuple(a.shape), a.dtype) for a, p in zip(self._anchor, is_param) if p]
+        self._outer.buffers = arena(params, home, pin) if nesterov else []
+        self._mom = [n if p and nesterov else None for p, n in zip(is_param, accumulate(is_param, initial=0))]
         # NOTE: the partition uses the tensors' global sizes, so every rank cuts the same fragments
-        parts = partition([s.numel for s in self.slots], self.fragments) if self.slots else [[]]
-        # NOTE: the fragments' exchanges run one after another in the engine: one staging pool
-        self._staging = StagingPool()
-        self.replicate = mesh.exchange_replicate_transport(self.sharded_exchange, self.federation is not None)
+        parts = partition([s.numel for s in self.slots], cfg.fragments) if self.slots else [[]]
+        self._replicate = mesh.exchange_replicate_transport(cfg.sharded_exchange, elastic)
         for f, part in enumerate(parts):
-            # NOTE: empty shards (FSDP uneven sharding) are left out of the exchange; the fed
-            # peers hold the same shard coordinates, so they leave out the same ones.
-            x = [i for i in part if locals_[i].numel() > 0]
-            flags = torch.zeros(len(self.fed_ranks), dtype=torch.int32, device=self.device)
-            wf = torch.zeros(self.topology.world_size + 1, dtype=torch.int32, device=self.device)
-            own_span = span([self._own[i] for i in part]) if self._own is not None and self.offload is None else None
-            self._frags.append(_Fragment(f, f * self.sync_every // self.fragments, part, x, None, flags, wf,
-                                         own_span=own_span))
-        if self.transport is not None:
-            self._build_exchanges()
-        self._engine = get_engine(self.device, "exchange")
+            own = [self._own[i] for i in part] if self._own is not None else None
+            self._frags.append(Fragment(
+                f, f * cfg.sync_every // cfg.fragments, part, [self.slots[i] for i in part], own, links,
+                name_index=cfg.fragments > 1, own_span=span(own) if own is not None and cfg.offload is None else None,
+                on_late=self._late, on_measured=self._measured, settle=self._settle if elastic else None))
+        self._build_exchanges()
 
     def _build_exchanges(self) -> None:
         """Each fragment's :class:`DeltaExchange` over the current fed transport (again after an
         elastic membership change: the residuals carry over when the layout did not change)."""
-        locals_ = [s.local for s in self.slots]
+        cfg, fed = self.config, self._links.fed
+        # NOTE: the fragments' exchanges run one after another in the engine: one staging pool
+        self._staging = StagingPool()
         # NOTE: overlapping fragments (an apply while another fragment's exchange is in flight,
         # whose job writes the pool's scratch): the apply stages through a scratch of its own
-        overlapping = self.overlap and self.overlap_steps > self.sync_every // self.fragments
-        self._fed_rank_index = torch.tensor(self.fed_ranks, dtype=torch.long, device=self.device)
+        overlapping = cfg.overlap and self.overlap_steps > cfg.sync_every // cfg.fragments
         for fr in self._frags:
-            x = fr.xidx
-            old = fr.exchange.state_dict() if fr.exchange is not None else None
-            fr.exchange = DeltaExchange(
-                self.transport, [locals_[i] for i in x], codec=self.codec_spec, bucket_mb=self.bucket_mb,
-                error_feedback=self.error_feedback, in_place=self.in_place,
-                anchors=None if self.in_place else [self._anchor[i] for i in x],
-                own=None if self._own is None else [self._own[i] for i in x], outer=self._outer,
-                momentum_index=[self._mom[i] for i in x], offload=self.offload is not None,
-                residual_dtype=self.residual_dtype, staging=self._staging, replicate=self.replicate,
-                apply_scratch=overlapping) if x else None
-            fr.flags = checks.own_flags(len(self.fed_ranks), self._fed_index, fr.own_bad, self.device)
+            x = fr.xindices
+            old = fr.state_dict() if fr.exchange is not None else None
+            bufs = ExchangeBuffers(None if cfg.in_place else [self._anchor[i] for i in x],
+                                   None if self._own is None else [self._own[i] for i in x], self._outer,
+                                   [self._mom[i] for i in x])
+            fr.bind(DeltaExchange(fed, [s.local for s in fr.xslots], cfg, bufs, staging=self._staging,
+                                  replicate=self._replicate, apply_scratch=overlapping)
+                    if x and fed is not None else None)
             if old is not None and fr.exchange is not None:
                 try:
                     fr.exchange.load_state_dict(old)
@@ -336,7 +295,7 @@ class FedAvg:
                     did = True
         for fr in self._starting(self.steps):
             self._start(fr)
-            if not self.overlap:
+            if not self.config.overlap:
                 self._apply(fr)
             did = True
         return did
@@ -350,8 +309,8 @@ class FedAvg:
         """Whether step ``step`` (1-based, as :attr:`steps`) starts a fragment's sync; never with one group."""
         return bool(self._starting(step))
 
-    def _starting(self, step: int) -> list[_Fragment]:
-        return [fr for fr in self._frags if (step - fr.offset) % self.sync_every == 0]
+    def _starting(self, step: int) -> list[Fragment]:
+        return [fr for fr in self._frags if (step - fr.offset) % self.config.sync_every == 0]
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
         """Call :meth:`step` after every ``optimizer.step()`` through a step post-hook, instead of
@@ -387,8 +346,10 @@ class FedAvg:
         self._exposure.reset(value)
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes this FedAvg holds, per buffer kind (:func:`flcomm.federated.memory.memory_stats`)."""
-        return memory_stats(self)
+        """Bytes this FedAvg holds, per buffer kind (:func:`flcomm.federated.fragment.memory_stats`)."""
+        kept = {"anchor": self._anchor, "own": self._own, "momentum": self._outer.buffers}
+        device = self._links.device if self.federated else None
+        return memory_stats(self._frags, kept, self.slots, self.config.offload is not None, device)
 
     def state_dict(self) -> dict:
         """Counters, and this rank's anchor shards, outer momentum and error-feedback residuals
@@ -420,7 +381,7 @@ class FedAvg:
             self.exposed_comm_s = exposed
 
     # ---------------------------------------------------------------- elastic federation
-    def _settle(self, fr: _Fragment, job: Job, nb: int) -> ExchangeResult:
+    def _settle(self, fr: Fragment, job: Job, nb: int) -> ExchangeResult:
         """Elastic: fragment ``fr``'s round as a round of the federation
         (:meth:`Federation.run_round`): after an abort its inputs restored (``fr.restore``) and
         the round redone among the survivors; a round that admits rejoining groups hands them
@@ -428,42 +389,45 @@ class FedAvg:
         assert self.federation is not None
         timeout_s = (self.mesh.timeout * (2 * nb + 2)).total_seconds()
         res = self.federation.run_round(f"s{fr.sync_step}f{fr.index}", job, timeout_s, step=self.steps,
-                                        redo=lambda: self._submit(fr), rebind=self._rebind, restore=fr.restore,
+                                        redo=fr.make_job, rebind=self._rebind, restore=fr.restore,
                                         handover=self._share_sync_state)
-        fr.restore = None
         return res if res is not None else ExchangeResult()
 
-    def cross_group(self, name: str, fn: Callable[[Any], Any]) -> Any:
+    def cross_group(self, name: str, fn: Callable[[Transport], Any]) -> Any:
         """Elastic: run ``fn(transport)`` (collectives over the fed group, e.g. the evaluation's
         mean over the groups) as an agreed round named ``name``; after an abort, the membership
         round and ``fn`` again among the survivors. Without a federation, just ``fn``."""
+        links = self._links
         if self.federation is None:
-            return fn(self.transport)
+            return fn(links.fed)
 
         def submit() -> Job:
-            transport = self.transport
-            return self._engine.submit(lambda job: fn(transport), f"{name} over the federation")
+            transport = links.fed
+            return links.engine.submit(lambda job: fn(transport), f"{name} over the federation")
 
         return self.federation.run_round(name, submit(), 2 * self.mesh.timeout.total_seconds(), step=self.steps,
                                          redo=submit, rebind=self._rebind)
 
+    def _over_fed(self, name: str, fn: Callable[[Transport], Any]) -> Any:
+        """``fn(fed transport)`` on the exchange's engine lane (the replica check's gather)."""
+        if self.federation is not None:
+            return self.cross_group(name, fn)
+        return self._links.on_lane(name, fn, sum(fr.exchange.bar.num_buckets for fr in self._frags if fr.exchange))
+
     def _rebind(self) -> None:
         """The exchanges over the federation's current transport."""
         assert self.federation is not None
-        self.transport = self.federation.transport
-        self.fed_ranks = self.federation.fed_ranks
-        self._fed_index = self.fed_ranks.index(self.rank)
         # NOTE: a job of the old generation may still wait in a dead collective (until its
         # timeout) and hold its lane and staging buffers: the new generation gets its own
-        self._engine = get_engine(self.device, f"exchange-gen{self.federation.generation}")
-        self._staging = StagingPool()
+        self._links.bind(self.federation.transport, self.federation.fed_ranks,
+                         get_engine(self._links.device, f"exchange-gen{self.federation.generation}"))
         self._build_exchanges()
 
     def _share_sync_state(self, src: int) -> None:
         """What a rejoining group takes from a survivor (fed index ``src``): the anchors (the
         shards themselves in the paper's in-place mode) and the outer momentum."""
-        base = [s.local for s in self.slots] if self.in_place else list(self._anchor)
-        broadcast(self.transport, base + list(self._outer.buffers), src)
+        base = [s.local for s in self.slots] if self.config.in_place else list(self._anchor)
+        broadcast(self._links.fed, base + list(self._outer.buffers), src)
 
     @torch.no_grad()
     def rejoin(self) -> int:
@@ -475,7 +439,7 @@ class FedAvg:
         m = self.federation.rejoin()
         self._rebind()
         self._share_sync_state(self.federation.source_index(m.joined))
-        if not self.in_place:
+        if not self.config.in_place:
             for s, a in zip(self.slots, self._anchor):
                 s.local.copy_(a)
         for o in self._own or []:
@@ -484,117 +448,46 @@ class FedAvg:
         return m.step
 
     @torch.no_grad()
-    def _start(self, fr: _Fragment) -> None:
+    def _start(self, fr: Fragment) -> None:
         """Steps 1-3 of the module docstring for fragment ``fr``: flags and (overlap) the copy of
         the local shards on this thread, the rest as one job of the progress engine."""
-        locals_ = {i: self.slots[i].local for i in fr.slots}
-        window = self._exposure.begin()
-        fr.flags.zero_()
-        if self._own is not None:
-            for i, t in locals_.items():
-                # NOTE: the local shard as of the sync, which the job packs as the own delta;
-                # offloaded on CUDA an asynchronous copy into page-locked memory, ordered on this
-                # stream before the next step writes the shard and before the job reads own
-                self._own[i].copy_(t, non_blocking=True)
-            offloaded = self.offload is not None and self.device.type == "cuda"
-            fr.own_ready = cuda_event(self.device) if offloaded and fr.exchange is not None else None
-        if locals_:
-            # NOTE: no device sync; the anchor is finite (a refused average is never applied), so
-            # the delta is finite exactly when the local shard (or own, its copy, in one pass) is
-            fr.flags[self._fed_index] = fr.own_bad = nonfinite(list(locals_.values()), fr.own_span).to(torch.int32)
-        sync_inner_state(self.inner_state, self.optimizer, self.transport)
-        fr.sync_step = self.steps
-        self._verify.at_start(fr)
-        fr.apply_at = self.steps + self.overlap_steps
-        if self.federation is not None:
-            if fr.own_ready is not None:
-                fr.own_ready.synchronize()  # NOTE: own is being written by asynchronous copies
-            xlocals = [self.slots[i].local for i in fr.xidx]
-            fr.restore = snapshot(fr.exchange.mutated(xlocals) if fr.exchange is not None else [])
-        fr.job = self._submit(fr)
-        self._exposure.end(window)
-
-    def _submit(self, fr: _Fragment) -> Job:
-        """Queue fragment ``fr``'s exchange (step 3-4) as a job of the progress engine."""
-        xlocals = [self.slots[i].local for i in fr.xidx]
-        if self._engine.stream is not None:
-            for t in [fr.flags, fr.world_flags, *xlocals]:
-                t.record_stream(self._engine.stream)
-        exchange, flags, transport, ready = fr.exchange, fr.flags, self.transport, fr.own_ready
-        agree, wf, index = self._agree, fr.world_flags, self._fed_rank_index
-
-        def run(job: Job) -> ExchangeResult:
-            job.stage = "non-finite flags all-reduce"
-            transport.all_reduce(flags, op="sum")
-            res = ExchangeResult()
-            if exchange is not None:
-                if ready is not None:  # NOTE: offloaded on CUDA: own is written by asynchronous copies
-                    job.stage = "copy of the local shards into own"
-                    ready.synchronize()
-                # NOTE: every rank of the fed group sees the same flags: none applies a bucket; on
-                # the device, so the job never waits on the host between its collectives
-                res = exchange.run(job, xlocals, skip=flags.any())
-            if agree is not None:
-                job.stage = AGREE_STAGE
-                or_flags(wf, index, flags, res, agree)
-            return res
-
-        return self._engine.submit(run, f"FedAvg exchange of {self._sync_name(fr)}")
+        cfg, links = self.config, self._links
+        window = links.exposure.begin()
+        fr.start(self.steps, self.steps + self.overlap_steps, cfg.offload is not None and links.device.type == "cuda")
+        sync_inner_state(cfg.inner_kind, self.optimizer, links.fed)
+        self._verify.at_start(fr.index, [s.local for s in fr.xslots if s.is_param and s.coord],
+                              [s.local for s in fr.xslots if s.is_param and not s.coord])
+        fr.submit()
+        links.exposure.end(window)
 
     @torch.no_grad()
-    def _apply(self, fr: _Fragment, on_time: bool = False) -> None:
-        """Steps 4-5 of the module docstring (the outer update ran in the engine, bucket by
-        bucket): wait, agree on a refusal over the federation group, add the overlap correction.
+    def _apply(self, fr: Fragment, on_time: bool = False) -> None:
+        """Steps 4-5 of the module docstring (:meth:`Fragment.apply`), then the replica check.
         ``on_time``: applied ``overlap_steps`` after its start (not early by :meth:`finish`)."""
-        job, fr.job = fr.job, None
-        # NOTE: not judged on a fragment's first exchange, which allocates its staging and plans,
-        # and a single late one is jitter
-        if on_time and self.overlap and fr.applied:
-            fr.late = fr.late + 1 if not job.is_completed() else 0
-            if fr.late == LATE_EXCHANGES and not self._warned_slow:
-                self._warned_slow = True
-                warnings.warn(f"FedAvg: the exchanges up to step {fr.sync_step} were still running "
-                              f"{self.overlap_steps} step(s) after they started ({LATE_EXCHANGES} in a row), "
-                              "so the loop waits for them; raise overlap_steps (<= sync_every), use fragments "
-                              "or a faster codec", stacklevel=4)
-        window = self._exposure.begin()
-        nb = fr.exchange.bar.num_buckets if fr.exchange is not None else 0
-        if self.federation is None:
-            # NOTE: stream-ordered, the job's host part ends at issue: the watchdog bounds the wire
-            res: ExchangeResult = job.wait(None if self.transport.stream_ordered else self.mesh.timeout * (2 * nb + 3))
-        else:
-            res = self._settle(fr, job, nb)
-            if res.bad is not None and res.bad.is_cuda:
-                res.bad.record_stream(torch.cuda.current_stream(res.bad.device))  # NOTE: made on the engine's stream
-            or_flags(fr.world_flags, self._fed_rank_index, fr.flags, res, self.group_transport)
-        fr.applied += 1
-        wf = fr.world_flags  # NOTE: on the device until this one host read (after the window)
-        self._exposure.end(window)
-        if checks.read_refusal(wf, [self.transport, *self.mesh.native_transports()], f"FedAvg {self._sync_name(fr)}"):
-            if fr.exchange is not None:
-                fr.exchange.sanitize()
-            raise non_finite_error(wf, self.topology, self.fed_ranks, f"FedAvg sync of {self._sync_name(fr)}")
-        if self._own is not None and fr.exchange is not None:
-            # NOTE: piece by piece along the buckets: no full-size copy of an offloaded own copy
-            fr.exchange.add_own([self.slots[i].local for i in fr.xidx])
+        fr.apply(on_time)
         self.num_syncs += 1
-        self._verify.after_apply(fr)
-        if on_time and self.auto_overlap is not None and self.auto_overlap.measuring:
-            proposal = self.auto_overlap.sample(job.seconds())
-            if proposal is not None:
-                self._settle_overlap(proposal)
+        anchors = self.config.overlap and not self.config.in_place
+        synced = [self._anchor[i] for i in fr.xindices] if anchors else [s.local for s in fr.xslots]
+        self._verify.after_apply(fr.index, fr.name, fr.sync_step, synced,
+                                 "anchors (the sync-step averages)" if anchors else "local shards")
 
-    def _sync_name(self, fr: _Fragment) -> str:
-        """``step N`` of fragment ``fr``'s sync, and the fragment when there are several."""
-        return f"step {fr.sync_step}" + (f" (fragment {fr.index})" if self.fragments > 1 else "")
+    def _late(self, fr: Fragment) -> None:
+        if not self._warned_slow:
+            self._warned_slow = True
+            warnings.warn(f"FedAvg: the exchanges up to step {fr.sync_step} were still running "
+                          f"{self.overlap_steps} step(s) after they started ({LATE_EXCHANGES} in a row), "
+                          "so the loop waits for them; raise overlap_steps (<= sync_every), use fragments "
+                          "or a faster codec", stacklevel=7)  # NOTE: the loop's line, past two no_grad wrappers
 
-    def _settle_overlap(self, proposal: int) -> None:
-        """``overlap_steps="auto"``: the largest proposal of the federation group, from now on
-        (every rank of a group must apply at the same step; the groups need not agree)."""
+    def _measured(self, seconds: float) -> None:
+        """``overlap_steps="auto"``: an exchange applied on time took ``seconds``; once measured,
+        the largest proposal of the federation group, from now on (every rank of a group must
+        apply at the same step; the groups need not agree)."""
         auto = self.auto_overlap
-        assert auto is not None
-        k = torch.tensor([proposal], dtype=torch.int32, device=self.device)
-        self.group_transport.all_reduce(k, op="max")
+        if auto is None or not auto.measuring or (proposal := auto.sample(seconds)) is None:
+            return
+        k = torch.tensor([proposal], dtype=torch.int32, device=self._links.device)
+        self._links.group.all_reduce(k, op="max")
         auto.settle(int(k.item()))
         _log.info("FedAvg: overlap_steps='auto' chose k=%d at step %d (exchange %.3f s, step %.3f s, k_max %d)",
                   auto.k, self.steps, auto.exchange_s or 0.0, auto.step_s or 0.0, auto.k_max)

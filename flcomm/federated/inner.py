@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from flcomm.collectives.bucketing import bucket_dtype
+from flcomm.collectives.staging import bucket_dtype
 from flcomm.enums import Choice
 from flcomm.federated.shards import flat_views, is_dtensor
 

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -118,6 +118,9 @@ class FedMesh:
         self.groups["group"] = self.new_groups(topo.dim_groups("group"), "group")
         self._native: dict[str, NcclTransport] = {}
         self._private: dict[str, tuple[str, Transport]] = {}  # name -> (dim, transport)
+        #: ``observe(transport, name)``: what :meth:`transport` hands out instead (e.g. the
+        #: trainer's failure report noting each collective); None: the transport itself
+        self.observe: Callable[[Transport, str], Transport] | None = None
         tiers = {d: topo.dim_groups(d) for d in (*dims, "group")}
         if hierarchical:
             for base in ("shard", "group"):
@@ -286,15 +289,18 @@ class FedMesh:
 
     def transport(self, name: str) -> Transport:
         """The transport of group ``name``, counting into this mesh's shared stats: a
-        TorchTransport on its process group, or (``transport="native"``) its NcclTransport."""
+        TorchTransport on its process group, or (``transport="native"``) its NcclTransport;
+        passed through :attr:`observe` when set (the private transports are not)."""
         from flcomm.comm.torch_pg import TorchTransport
 
         if self.transport_kind is TransportKind.NATIVE and name in self._native:
-            return self._native[name]
-        if name not in self.groups:
+            t: Transport = self._native[name]
+        elif name not in self.groups:
             hint = " (the fed dim of an elastic federation is its Federation's transport)" if name == "fed" else ""
             raise KeyError(f"no process group {name!r}; have {sorted(self.groups)}{hint}")
-        return TorchTransport(self.groups[name], self.tier(name), self.stats, self.timeout)
+        else:
+            t = TorchTransport(self.groups[name], self.tier(name), self.stats, self.timeout)
+        return self.observe(t, name) if self.observe is not None else t
 
 
 def _check_native(device_type: str) -> None:

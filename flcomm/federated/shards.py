@@ -74,7 +74,7 @@ def model_kind(model: nn.Module) -> str:
 def collect_slots(model: nn.Module) -> tuple[str, list[Slot]]:
     """The model kind and the tensors to average, in a deterministic order (parameters in
     ``named_parameters`` / FSDP-unit order, then buffers). Whether the sharding matches the
-    topology is :func:`~flcomm.federated.checks.check_sharding`'s."""
+    topology is :func:`~flcomm.federated.sharding.check_sharding`'s."""
     import torch.distributed as dist
 
     kind = model_kind(model)
@@ -179,7 +179,7 @@ def broadcast(transport: Transport, tensors: list[Tensor], src: int) -> None:
 
 def nonfinite(tensors: list[Tensor], flat: Tensor | None = None) -> Tensor:
     """A 0-dim bool on the tensors' device, without a host read: whether any of ``tensors`` holds
-    a NaN or an Inf. ``flat``: one view over all of them (:func:`~flcomm.collectives.bucketing.span`),
+    a NaN or an Inf. ``flat``: one view over all of them (:func:`~flcomm.collectives.staging.span`),
     checked in one op instead of one per tensor."""
     # NOTE: min and max propagate NaN and show Inf, without a tensor-sized bool temporary
     ts = [flat] if flat is not None else [t for t in tensors if t.numel()]

@@ -281,8 +281,6 @@ class Monitor:
         self.step, self.phase = 0, "start"
         self.phase_t = time.time()
         self.detail: tuple[str, str] | None = None  # the collective running inside the phase (at())
-        #: a failed job's stage (``EngineError.stage``) -> the group it talks over, if not the phase's
-        self.stage_groups: dict[str, str] = {}
         self.fault = Fault.from_env()
         self._host = socket.gethostname()
         self.poison: Callable[[], None] | None = None  # what the "nan" fault does (the driver sets it)
@@ -342,8 +340,9 @@ class Monitor:
         group and ranks, culprit, log path)."""
         what = PHASES.get(self.phase, (self.phase, None))[0]
         gname, granks = self.group_of(self.phase)
-        stage = getattr(exc, "stage", None)
-        detail = self.detail or ((stage, self.stage_groups[stage]) if stage in self.stage_groups else None)
+        # NOTE: a failed job's stage that talks over another group than the phase's says which
+        stage, stage_group = getattr(exc, "stage", None), getattr(exc, "group", None)
+        detail = self.detail or ((stage, stage_group) if stage_group is not None else None)
         if detail is not None:
             what, gname = f"{what} ({detail[0]})", detail[1]
             granks = self.groups.get(gname, granks)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from flcomm.federated.fedavg import AGREE_STAGE, FedAvg
+from flcomm.federated.fedavg import FedAvg
 from flcomm.federated.topology import Topology
 from flcomm.train import checkpoint as ckpt
 from flcomm.train.config import TrainConfig, resolve_topology
@@ -273,6 +273,9 @@ def build_run(cfg: TrainConfig, monitor: Monitor, store: Any = None) -> Run:
     loader, held, data_rec, sizes = _build_data(cfg, mesh, device)
     fed = None
     if cfg.federated:
+        # NOTE: FedAvg agrees inside the group too (the refusal flags at the apply, the overlap
+        # choice): a failure there names that group (its job's agreement stage says so itself)
+        mesh.observe = lambda t, name: monitor.noting(t, "in-group all-reduce", "group") if name == "group" else t
         fed = FedAvg(model, mesh, cfg.fedavg, optimizer=optimizer, federation=federation, sync_init=not cfg.rejoin)
     mcfg = cfg.model_config()
     meta = {"strategy": cfg.strategy, "transport": cfg.transport, "replicate_codec": cfg.replicate_codec,
@@ -280,7 +283,7 @@ def build_run(cfg: TrainConfig, monitor: Monitor, store: Any = None) -> Run:
             "model": mcfg.to_dict(), "seed": cfg.seed,
             "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "data": data_rec}
     if fed is not None:  # NOTE: what check_before_launch compares before a resume starts the ranks
-        meta["fedavg"] = dict(fed.checkpoint_config)
+        meta["fedavg"] = fed.config.to_dict()
     info = {"world_size": P, "mesh_shape": list(topo.mesh_shape), "ranks_per_node": topo.ranks_per_node,
             "group_size": topo.group_size, "shard_size": topo.shard_size, "num_params": mcfg.num_params(),
             "tokens_per_step": P * cfg.batch_size * cfg.seq_len, "backend": backend,
@@ -289,11 +292,6 @@ def build_run(cfg: TrainConfig, monitor: Monitor, store: Any = None) -> Run:
     run = Run(cfg, rank, device, topo, mesh, model, optimizer, traffic, fed, loader, held, meta, info, monitor,
               federation=federation)
     monitor.poison = lambda: _poison(model)
-    if fed is not None and fed.federated:
-        # NOTE: FedAvg agrees inside the group too (the refusal flags, at the apply or in the
-        # exchange's job; the overlap choice): a failure there names that group
-        fed.group_transport = monitor.noting(fed.group_transport, "in-group all-reduce", "group")
-        monitor.stage_groups[AGREE_STAGE] = "group"
     if cfg.resume or cfg.rejoin:
         _resume(run)
     if cfg.rejoin:

@@ -36,7 +36,8 @@ def _run(ex, locals_):
 def _worker(rank: int, world: int) -> dict:
     from flcomm.codecs import get_codec
     from flcomm.comm import TorchTransport
-    from flcomm.federated.exchange import DeltaExchange
+    from flcomm.federated.config import FedAvgConfig
+    from flcomm.federated.exchange import DeltaExchange, ExchangeBuffers
     from flcomm.federated.outer import OuterOptimizer
 
     out: dict = {}
@@ -45,8 +46,7 @@ def _worker(rank: int, world: int) -> dict:
     # 1. the paper's mode: in place, in the tensors' own dtype (bf16 stays bf16)
     for dt in (torch.float32, torch.bfloat16):
         loc = _data(rank, "inplace", dt)
-        ex = DeltaExchange(TorchTransport(), loc, codec=none, bucket_mb=BUCKET_MB, error_feedback=False,
-                           in_place=True)
+        ex = DeltaExchange(TorchTransport(), loc, FedAvgConfig(codec=none, bucket_mb=BUCKET_MB, error_feedback=False))
         assert ex.work_dtypes == [dt] * 3
         _run(ex, loc)
         out[("inplace", dt)] = [t.clone() for t in loc]
@@ -54,8 +54,8 @@ def _worker(rank: int, world: int) -> dict:
     # 2. delta mode, no overlap: anchor += mean(local - anchor); local = anchor
     loc = _data(rank, "local")
     anchors = _data(0, "anchor")  # the same on every rank
-    ex = DeltaExchange(TorchTransport(), loc, codec=none, bucket_mb=BUCKET_MB, error_feedback=False,
-                       in_place=False, anchors=anchors)
+    ex = DeltaExchange(TorchTransport(), loc, FedAvgConfig(codec=none, bucket_mb=BUCKET_MB, error_feedback=False),
+                       ExchangeBuffers(anchors=anchors))
     _run(ex, loc)
     out["delta"] = ([t.clone() for t in loc], [a.clone() for a in anchors])
 
@@ -67,8 +67,8 @@ def _worker(rank: int, world: int) -> dict:
     outer = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
     outer.allocate(anchors[:2])  # tensors 0, 1 are parameters; tensor 2 a buffer (plain average)
     before = [t.clone() for t in loc]
-    ex = DeltaExchange(TorchTransport(), loc, codec=none, bucket_mb=BUCKET_MB, error_feedback=False,
-                       in_place=False, anchors=anchors, own=own, outer=outer, momentum_index=[0, 1, None])
+    ex = DeltaExchange(TorchTransport(), loc, FedAvgConfig(codec=none, bucket_mb=BUCKET_MB, error_feedback=False),
+                       ExchangeBuffers(anchors=anchors, own=own, outer=outer, momentum_index=[0, 1, None]))
     _run(ex, loc)
     out["overlap"] = {"local_untouched": all(torch.equal(a, b) for a, b in zip(loc, before)),
                       "own": [o.clone() for o in own], "anchor": [a.clone() for a in anchors]}
@@ -79,8 +79,10 @@ def _worker(rank: int, world: int) -> dict:
         loc = _data(rank, "local", torch.bfloat16)
         anchors = [a.float() for a in _data(0, "anchor")]
         own = [t.float() for t in loc]
-        ex = DeltaExchange(TorchTransport(), loc, codec=none, bucket_mb=BUCKET_MB, error_feedback=False,
-                           in_place=False, anchors=anchors, own=own, offload=offload)
+        ex = DeltaExchange(TorchTransport(), loc,
+                           FedAvgConfig(codec=none, bucket_mb=BUCKET_MB, error_feedback=False,
+                                        offload="cpu" if offload else None),
+                           ExchangeBuffers(anchors=anchors, own=own))
         _run(ex, loc)
         want = [t + o.to(t.dtype) for t, o in zip(loc, own)]  # what FedAvg's apply step does
         ex.add_own(loc)
@@ -94,8 +96,8 @@ def _worker(rank: int, world: int) -> dict:
         loc[1][500] = float("inf")
     keep = [a.clone() for a in anchors]
     before = [t.clone() for t in loc]
-    ex = DeltaExchange(TorchTransport(), loc, codec=none, bucket_mb=BUCKET_MB, error_feedback=False,
-                       in_place=False, anchors=anchors)
+    ex = DeltaExchange(TorchTransport(), loc, FedAvgConfig(codec=none, bucket_mb=BUCKET_MB, error_feedback=False),
+                       ExchangeBuffers(anchors=anchors))
     res = _run(ex, loc)
     out["bad"] = {"bad_buckets": res.bad_buckets, "layout": ex.bar.layout(), "anchors": anchors, "keep": keep,
                   "locals": loc, "before": before}
@@ -114,9 +116,10 @@ def _worker(rank: int, world: int) -> dict:
             b.copy_(m)  # NOTE: not zero, so a change would show
         keep = {"anchors": [a.clone() for a in anchors], "own": [o.clone() for o in own],
                 "momentum": [b.clone() for b in outer.buffers]}
-        ex = DeltaExchange(TorchTransport(), loc, codec=none, bucket_mb=BUCKET_MB, error_feedback=False,
-                           in_place=False, anchors=anchors, own=own, outer=outer, momentum_index=[0, 1, None],
-                           offload=offload)
+        ex = DeltaExchange(TorchTransport(), loc,
+                           FedAvgConfig(codec=none, bucket_mb=BUCKET_MB, error_feedback=False,
+                                        offload="cpu" if offload else None),
+                           ExchangeBuffers(anchors=anchors, own=own, outer=outer, momentum_index=[0, 1, None]))
         res = _run(ex, loc)
         out[("bad overlap", offload)] = {"bad_buckets": res.bad_buckets, "layout": ex.bar.layout(), "keep": keep,
                                          "anchors": anchors, "own": own, "momentum": outer.buffers}
@@ -129,7 +132,8 @@ def _order_worker(rank: int, world: int) -> dict:
     two hops on 3: flcomm.collectives.compressed.gathers)."""
     from flcomm.codecs import get_codec
     from flcomm.comm import TorchTransport
-    from flcomm.federated.exchange import DeltaExchange
+    from flcomm.federated.config import FedAvgConfig
+    from flcomm.federated.exchange import DeltaExchange, ExchangeBuffers
 
     out: dict = {}
     class Recording(TorchTransport):
@@ -151,8 +155,10 @@ def _order_worker(rank: int, world: int) -> dict:
         tr = Recording()
         tr.log = []
         loc = _data(rank, "local")
-        ex = DeltaExchange(tr, loc, codec=get_codec("int8"), bucket_mb=BUCKET_MB, error_feedback=True,
-                           in_place=False, anchors=_data(0, "anchor"), offload=offload)
+        ex = DeltaExchange(tr, loc,
+                           FedAvgConfig(codec=get_codec("int8"), bucket_mb=BUCKET_MB, error_feedback=True,
+                                        offload="cpu" if offload else None),
+                           ExchangeBuffers(anchors=_data(0, "anchor")))
         _run(ex, loc)
         out[key] = (list(tr.log), ex.bar.num_buckets)
     return out

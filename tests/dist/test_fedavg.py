@@ -282,8 +282,8 @@ def _errors_worker(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from flcomm.federated.checks import NonFiniteAverageError
     from flcomm.federated.fedavg import FedAvg
+    from flcomm.federated.nonfinite import NonFiniteAverageError
 
     fm2, fm4 = fed_mesh(world, 2), fed_mesh(world, 4)
     model = make_model(0)

@@ -1,5 +1,6 @@
-"""FedAvg's checks against training wrongly without a word (flcomm/federated/checks.py), on 4
-gloo ranks: FL+FSDP (F = 2, G = S = 2), FL+HSDP (F = 2, G = 2, S = 1, R = 2) and one-rank groups.
+"""FedAvg's checks against training wrongly without a word (flcomm/federated/sharding.py,
+verify.py, nonfinite.py), on 4 gloo ranks: FL+FSDP (F = 2, G = S = 2), FL+HSDP (F = 2, G = 2, S = 1,
+R = 2) and one-rank groups.
 
 * The model's sharding must match the topology: a plain module in a group of 2 ranks, FSDP2 on
   the blocks only (the root's parameters plain), FL+HSDP sharded on ``device_mesh["shard"]``
@@ -229,7 +230,7 @@ def _verify_passes(rank: int, world: int) -> dict:
 
 # ------------------------------------------------------------------ verify: planted drifts
 def _expect_mismatch(fn, group: str, ranks: list[int], step: int) -> str:
-    from flcomm.federated.checks import ReplicaMismatchError
+    from flcomm.federated.verify import ReplicaMismatchError
 
     with pytest.raises(ReplicaMismatchError) as ei:
         fn()
@@ -275,7 +276,7 @@ def _drifts(rank: int, world: int) -> dict:
     # 3. the paper's in-place mode: rank 2's exchange writes another average than its peer's
     fm, model, opt = _model(world, "fsdp2", "fl-fsdp")
     fed = FedAvg(model, fm, sync_every=2, optimizer=opt, verify=True)
-    assert fed.in_place
+    assert fed.config.in_place
     if rank == 2:
         ex = fed._exchange
         unpack = ex._unpack

@@ -163,7 +163,7 @@ def _memory_worker(rank: int, world: int) -> dict:
             fed.step()
         fed.finish()
         stats[name] = {"mem": fed.memory_stats(), "buckets": fed._exchange.bar.num_buckets,
-                       "world": fed.transport.size, "held": _held(fed),
+                       "world": fed._links.fed.size, "held": _held(fed),
                        "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
     pairs = []
     for kw in OFFLOAD_PAIRS:
@@ -298,13 +298,13 @@ def _late_exchanges(fm, rank: int, late: tuple[int, ...]) -> list[tuple[str, str
     model = make_model(0, d=64)
     opt = make_opt(model.parameters(), "adamw", 1e-2)
     fed = FedAvg(model, fm, sync_every=1, overlap_steps=1)
-    submit, n = fed._engine.submit, [0]
+    submit, n = fed._links.engine.submit, [0]
 
     def submit_late(fn, name):
         n[0] += 1
         return _Due(submit(fn, name), late=n[0] in late)
 
-    fed._engine.submit = submit_late
+    fed._links.engine.submit = submit_late
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for t in range(1, 8):

@@ -95,7 +95,7 @@ def _run(rank: int, world: int, offload: str | None) -> dict:
     warnings.filterwarnings("ignore", "FedAvg: the exchanges up to step")  # NOTE: the gated jobs are late
     # NOTE: a job starts only when the next step begins, so it is in flight during that step's
     # apply of the other fragment (whatever the machine's speed)
-    submit, gates, job_reads, mix = fed._engine.submit, [], [], _Interleave()
+    submit, gates, job_reads, mix = fed._links.engine.submit, [], [], _Interleave()
 
     def gated(fn, name):
         gate = threading.Event()
@@ -113,7 +113,7 @@ def _run(rank: int, world: int, offload: str | None) -> dict:
             return out
         return submit(run, name)
 
-    fed._engine.submit = gated  # NOTE: the process's engine: restored below, for the next run
+    fed._links.engine.submit = gated  # NOTE: the process's engine: restored below, for the next run
     steps = []
     try:
         for t in range(1, T + 1):
@@ -132,7 +132,7 @@ def _run(rank: int, world: int, offload: str | None) -> dict:
     finally:
         for g in gates:
             g.set()
-        del fed._engine.submit
+        del fed._links.engine.submit
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
             "steps": steps, "job_reads": job_reads, "syncs": fed.num_syncs, "met": mix.met, "stalled": mix.stalled,

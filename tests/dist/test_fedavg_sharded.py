@@ -49,13 +49,14 @@ def _data(group: int, shard: int, what: str) -> list[torch.Tensor]:
 def _exchange(fm, codec: str, ef: bool, sharded: bool, replicate):
     from flcomm.codecs import get_codec
     from flcomm.comm.engine import get_engine
-    from flcomm.federated.exchange import DeltaExchange
+    from flcomm.federated.exchange import DeltaExchange, ExchangeBuffers
 
     c = fm.coords
     loc = _data(c.group, c.shard, "local")
     anchors = _data(0, c.shard, "anchor")
-    ex = DeltaExchange(fm.transport("fed"), loc, codec=get_codec(codec), bucket_mb=1.0, error_feedback=ef,
-                       in_place=False, anchors=anchors, replicate=replicate if sharded else None)
+    ex = DeltaExchange(fm.transport("fed"), loc, FedAvgConfig(codec=get_codec(codec), bucket_mb=1.0, error_feedback=ef),
+                       ExchangeBuffers(anchors=anchors),
+                       replicate=replicate if sharded else None)
     fm.stats.reset()
     get_engine("cpu").submit(lambda j: ex.run(j, loc), "test sharded exchange").wait(120)
     return ex, loc, fm.stats.snapshot()
@@ -108,8 +109,9 @@ def _exchange_worker(rank: int, world: int) -> dict:
 
     c = fm.coords
     loc = [t.round().to(torch.bfloat16) for t in _data(c.group, c.shard, "inplace")]
-    ex = DeltaExchange(fm.transport("fed"), loc, codec=get_codec("none"), bucket_mb=300 * 4 / 2**20,
-                       error_feedback=False, in_place=True, replicate=rep)
+    ex = DeltaExchange(fm.transport("fed"), loc,
+                       FedAvgConfig(codec=get_codec("none"), bucket_mb=300 * 4 / 2**20, error_feedback=False),
+                       replicate=rep)
     get_engine("cpu").submit(lambda j: ex.run(j, loc), "test in place").wait(120)
     out["inplace_bf16"] = (loc, ex.bar.num_buckets)
     # the generic bucketed all-reduce gathers the slices as reduced (fp32), the exchange's in the
@@ -146,8 +148,8 @@ def _sim_worker(rank: int, world: int) -> dict:
     from flcomm.federated.fedavg import FedAvg
 
     fm, model, _ = build(world, F, S, "fsdp2")
-    assert FedAvg(model, fm, sync_every=2).replicate is not None  # on by default when R > 1
-    assert FedAvg(model, fm, sync_every=2, sharded_exchange=False).replicate is None
+    assert FedAvg(model, fm, sync_every=2)._replicate is not None  # on by default when R > 1
+    assert FedAvg(model, fm, sync_every=2, sharded_exchange=False)._replicate is None
     return {"worst": [run_case(world, c) for c in SIM_CASES]}
 
 
@@ -216,8 +218,8 @@ def _roundtrip_worker(rank: int, world: int) -> dict:
 
 def _nan_worker(rank: int, world: int) -> dict:
     """Group 1's shards (both replicas, as HSDP keeps them) turn NaN: every rank refuses."""
-    from flcomm.federated.checks import NonFiniteAverageError
     from flcomm.federated.fedavg import FedAvg
+    from flcomm.federated.nonfinite import NonFiniteAverageError
 
     fm, model, opt = build(world, F, S, "fsdp2", mesh=fed_mesh(world, F, S))
     fed = FedAvg(model, fm, sync_every=1, codec="int8", error_feedback=True)

@@ -394,7 +394,7 @@ def test_slow_wire_fedavg_plumbing_on_cpu():
 
 class HostAndEvents(ExposedTime):
     """FedAvg's accounting of exposed time (:class:`~flcomm.federated.exposure.ExposedTime`, put
-    in as ``fed._exposure``) that also sums each window's host seconds in ``host_s``: with them
+    in as ``fed._exposure`` and its fragments' links) that also sums each window's host seconds in ``host_s``: with them
     added to the events (CUDA), it is the count before the fix of W3, which counted a late
     exchange that the host waited for twice (the probes' positive control)."""
 
@@ -419,7 +419,7 @@ def _late_exchanges(dev: torch.device) -> dict:
     wire = SlowWire(dev, delay_s=0.01 if cuda else 0.0, host_wait=True)
     model = Params([(1 << 18,)] * 8, torch.float32, dev)
     fed = FedAvg(model, OneProcessMesh(wire), sync_every=2, overlap_steps=1, bucket_mb=1.0)
-    exposure = fed._exposure = HostAndEvents(dev)
+    exposure = fed._exposure = fed._links.exposure = HostAndEvents(dev)
     n_mm, a = 0, None
     if cuda:
         a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
@@ -525,7 +525,7 @@ def test_fedavg_overlap_end_to_end_on_the_comm_stream():
     fed = FedAvg(model, OneProcessMesh(wire), sync_every=4, codec="int8", error_feedback=True,
                  overlap_steps=4, bucket_mb=4.0)
     buckets = fed._exchange.bar.num_buckets
-    exposure = fed._exposure = HostAndEvents(dev)
+    exposure = fed._exposure = fed._links.exposure = HostAndEvents(dev)
     wire.intervals.clear()  # NOTE: the construction's peer check and broadcast are no exchange
     a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
     _matmul_loop(a, 10)

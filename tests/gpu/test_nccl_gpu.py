@@ -657,7 +657,8 @@ def _offload_exchange(dev: torch.device) -> dict:
     two quantize the same blocks and must agree bit for bit. Two exchanges and the apply step."""
     from flcomm.codecs import get_codec
     from flcomm.comm.engine import get_engine
-    from flcomm.federated.exchange import DeltaExchange
+    from flcomm.federated.config import FedAvgConfig
+    from flcomm.federated.exchange import DeltaExchange, ExchangeBuffers
     from flcomm.federated.outer import OuterOptimizer
     from tests.common.gpu_figures import SlowWire
 
@@ -680,9 +681,10 @@ def _offload_exchange(dev: torch.device) -> dict:
         if offload and cuda:
             outer.buffers = [b.pin_memory() for b in outer.buffers]
         mb = bucket_mb if offload else max(res[True]["bucket_numels"]) * 4 / 2**20
-        ex = DeltaExchange(SlowWire(dev), loc, codec=get_codec("int8"), bucket_mb=mb, error_feedback=True,
-                           in_place=False, anchors=anchors, own=own, outer=outer, momentum_index=[0, 1, None],
-                           offload=offload)
+        ex = DeltaExchange(SlowWire(dev), loc,
+                           FedAvgConfig(codec=get_codec("int8"), bucket_mb=mb, error_feedback=True,
+                                        offload="cpu" if offload else None),
+                           ExchangeBuffers(anchors=anchors, own=own, outer=outer, momentum_index=[0, 1, None]))
         applied = [t.clone() for t in loc]
         if cuda:
             torch.cuda.synchronize()

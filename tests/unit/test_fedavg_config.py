@@ -64,9 +64,9 @@ def test_normalized_values_and_derived_properties():
         assert not FedAvgConfig(**kw).in_place, kw
     codec = Int8Codec(block_size=64)
     c = FedAvgConfig(codec=codec)
-    assert c.make_codec() is codec and (c.codec, c.block_size) == ("int8", 64)
-    assert FedAvgConfig.make(c, sync_every=4).make_codec() is codec  # kept through a replace
-    assert FedAvgConfig(codec="fp8", block_size=32).make_codec().block_size == 32
+    assert c.codec_obj is codec and (c.codec, c.block_size) == ("int8", 64)
+    assert FedAvgConfig.make(c, sync_every=4).codec_obj is codec  # kept through a replace
+    assert FedAvgConfig(codec="fp8", block_size=32).codec_obj.block_size == 32
     with pytest.raises(ValueError, match="elastic federation does not support overlap with fragments"):
         FedAvgConfig(sync_every=4, fragments=2, overlap_steps=1).check_elastic()
     with pytest.raises(TypeError, match=r"unknown FedAvg setting\(s\) \['overlap'\] \(overlap is overlap_steps"):

@@ -6,12 +6,12 @@ type-only import of a higher layer is still a dependency on it.
 
 from __future__ import annotations
 
-import ast
 import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.common.imports import ROOT, import_cycles, imports_of, is_module, module_name
+
 PKG = ROOT / "flcomm"
 
 # layer -> the flcomm layers it may import (besides itself)
@@ -36,52 +36,6 @@ ALLOWED: dict[str, set[str]] = {
 }
 
 
-def _module_name(path: pathlib.Path) -> str:
-    if not path.is_relative_to(ROOT):
-        return path.stem
-    rel = path.relative_to(ROOT).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts = parts[:-1]
-    return ".".join(parts)
-
-
-def _is_module(name: str) -> bool:
-    rel = pathlib.Path(*name.split("."))
-    return (ROOT / rel).with_suffix(".py").exists() or (ROOT / rel / "__init__.py").exists()
-
-
-def imports_of(path: pathlib.Path, top_level_only: bool = False) -> set[str]:
-    """Every module ``path`` imports (``from a import b`` counts as ``a.b`` when that is a
-    module). ``top_level_only``: only what runs at import time (no function bodies, no
-    ``if TYPE_CHECKING:`` blocks)."""
-    tree = ast.parse(path.read_text(), str(path))
-    me = _module_name(path)
-    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
-    found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if top_level_only and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                continue
-            if top_level_only and isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
-            if isinstance(child, ast.Import):
-                found.update(a.name for a in child.names)
-            elif isinstance(child, ast.ImportFrom):
-                base = child.module or ""
-                if child.level:
-                    up = package.split(".")
-                    up = up[: len(up) - (child.level - 1)]
-                    base = ".".join([*up, base] if base else up)
-                for a in child.names:  # `from a import b`: module a.b, or name b of module a
-                    found.add(f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base)
-            visit(child)
-
-    visit(tree)
-    return found
-
-
 def _layer(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
@@ -94,13 +48,13 @@ def _sources() -> list[pathlib.Path]:
 
 
 def test_every_module_has_a_layer():
-    missing = {_layer(_module_name(p)) for p in _sources()} - set(ALLOWED)
+    missing = {_layer(module_name(p)) for p in _sources()} - set(ALLOWED)
     assert not missing, f"modules in layers the rules do not name: {missing}"
 
 
 @pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_imports_go_down(path: pathlib.Path):
-    me = _module_name(path)
+    me = module_name(path)
     layer = _layer(me)
     allowed = ALLOWED[layer]
     if allowed is None:
@@ -160,50 +114,14 @@ def test_the_rules_can_fail(tmp_path: pathlib.Path):
     assert imports_of(src, top_level_only=True) == {"typing"}
 
 
-def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The circles of ``graph`` (module -> the modules it imports): its strongly connected
-    components of more than one module, or of one that imports itself (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1 or v in graph.get(v, ()):
-                out.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
-
-
 def test_no_module_level_import_circle():
     """No circle among flcomm's modules through what they import at import time (a function-level
     import is lazy and may point up a layer's own modules; test_imports_go_down rules the layers)."""
     graph = {}
     for path in _sources():
-        me = _module_name(path)
+        me = module_name(path)
         graph[me] = {m for m in imports_of(path, top_level_only=True)
-                     if m.startswith("flcomm.") and m != me and _is_module(m)}
+                     if m.startswith("flcomm.") and m != me and is_module(m)}
     assert not import_cycles(graph), f"module-level import circles: {import_cycles(graph)}"
 
 
@@ -219,9 +137,6 @@ KNOWN_CIRCLES = {
     # Topology.build (a function-level import) builds the FedMesh, whose type names Topology;
     # goes with a mesh builder of the mesh's own (flcomm.init_fed_mesh, issue 42)
     ("flcomm.federated.mesh", "flcomm.federated.topology"),
-    # checks.ReplicaCheck and memory.memory_stats read FedAvg's fields (type-only imports);
-    # goes with the fragment as an object of its own (issue 42, review 8.1)
-    ("flcomm.federated.checks", "flcomm.federated.fedavg", "flcomm.federated.memory"),
 }
 
 
@@ -230,8 +145,8 @@ def test_circles_through_any_import_are_only_the_known_ones():
     circle is a dependency both ways all the same) are exactly :data:`KNOWN_CIRCLES`."""
     graph = {}
     for path in _sources():
-        me = _module_name(path)
-        graph[me] = {m for m in imports_of(path) if m.startswith("flcomm.") and m != me and _is_module(m)}
+        me = module_name(path)
+        graph[me] = {m for m in imports_of(path) if m.startswith("flcomm.") and m != me and is_module(m)}
     got = {tuple(c) for c in import_cycles(graph)}
     assert got - KNOWN_CIRCLES == set(), f"new import circles: {sorted(got - KNOWN_CIRCLES)}"
     assert KNOWN_CIRCLES - got == set(), f"gone, so drop them from KNOWN_CIRCLES: {sorted(KNOWN_CIRCLES - got)}"

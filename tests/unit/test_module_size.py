@@ -1,6 +1,6 @@
 """The size limits of the package: no module of flcomm/ over 650 lines, and the FedAvg algorithm
-(flcomm/federated/fedavg.py: the schedule, the buffers and the apply) at most 600, its round
-protocol, checkpoint and checks living in their own modules. The bucketed all-reduce
+(flcomm/federated/fedavg.py: the schedule, the arenas and the state) at most 520, its fragment,
+round protocol, checkpoint and checks living in their own modules. The bucketed all-reduce
 (flcomm/collectives/bucketing.py) at most 570, its staging pool (flcomm/collectives/staging.py) at
 most 165. A module at its limit is split by concept; do not reflow to fit. Lines as
 ``str.splitlines`` counts them (``wc -l`` for a file that ends in a newline)."""
@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PKG = ROOT / "flcomm"
 LIMIT = 650
 LIMITS = {
-    "flcomm/federated/fedavg.py": 600,
+    "flcomm/federated/fedavg.py": 520,
     "flcomm/collectives/bucketing.py": 570,
     "flcomm/collectives/staging.py": 165,
 }

@@ -136,18 +136,33 @@ def test_a_noted_transport_names_the_collective_and_its_group(tmp_path):
 
 
 def test_a_failed_job_stage_names_the_group_it_talks_over():
-    """FedAvg's exchange job ORs the refusal flags over the federation group: a failure in that
-    stage names the group, not the phase's fed group; another stage keeps the phase's."""
-    from flcomm.comm.engine import EngineError
-    from flcomm.federated.fedavg import AGREE_STAGE
+    """FedAvg's exchange job ORs the refusal flags over the federation group: a job that fails in
+    a stage that says its group (``job.stage_group``) names that group, not the phase's fed
+    group; another stage keeps the phase's."""
+    from flcomm.comm.engine import ProgressEngine
+    from flcomm.federated.fragment import AGREE_STAGE
+
+    def failing(stage: str, group: str | None):
+        def fn(job):
+            job.stage, job.stage_group = stage, group
+            raise ConnectionError("peer gone")
+
+        return fn
 
     m = Monitor(None, 0, 4)
     m.set_groups({"group": [0, 1], "fed": [0, 2]})
-    m.stage_groups[AGREE_STAGE] = "group"
     m.enter(4, "fedavg")
-    msg = m.fail(EngineError("rank 0: FedAvg exchange failed", 0, "FedAvg exchange of step 4", AGREE_STAGE))
+    errors = []
+    for stage, group in ((AGREE_STAGE, "group"), ("bucket 2", None)):
+        engine = ProgressEngine("cpu", lane=f"monitor-test-{len(errors)}")
+        with pytest.raises(Exception) as info:
+            engine.submit(failing(stage, group), "FedAvg exchange of step 4").wait(30)
+        engine.close(30)
+        errors.append(info.value)
+    assert (errors[0].stage, errors[0].group) == (AGREE_STAGE, "group")
+    msg = m.fail(errors[0])
     assert msg.startswith(f"rank 0: step 4, phase FedAvg exchange ({AGREE_STAGE}), group 'group' (ranks [0, 1])"), msg
-    other = m.fail(EngineError("rank 0: FedAvg exchange failed", 0, "FedAvg exchange of step 4", "bucket 2"))
+    other = m.fail(errors[1])
     assert other.startswith("rank 0: step 4, phase FedAvg exchange, group 'fed' (ranks [0, 2])"), other
 
 
