@@ -14,10 +14,10 @@
 Command line: ``python -m flcomm.train --help`` (console script ``flcomm-train``).
 """
 
-from flcomm.train.config import STRATEGIES, TrainConfig, resolve_topology
+from flcomm.train.config import TrainConfig, resolve_topology
 from flcomm.train.launch import launch_local
 from flcomm.train.loop import TrainResult, train
 from flcomm.train.model import PRESETS, ModelConfig, Transformer, build_model, get_config
 
-__all__ = ["PRESETS", "STRATEGIES", "ModelConfig", "TrainConfig", "TrainResult", "Transformer", "build_model",
-           "get_config", "launch_local", "resolve_topology", "train"]
+__all__ = ["PRESETS", "ModelConfig", "TrainConfig", "TrainResult", "Transformer", "build_model", "get_config",
+           "launch_local", "resolve_topology", "train"]

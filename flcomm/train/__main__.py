@@ -18,81 +18,20 @@ import os
 import sys
 from collections.abc import Sequence
 
-from flcomm.codecs import DENSE_CODECS
 from flcomm.federated.config import FedAvgConfig
-from flcomm.train.config import NAN_POLICIES, STRATEGIES, TRANSPORTS, TrainConfig
-from flcomm.train.model import PRESETS
+from flcomm.train.config import DATA, ELASTIC, FEDAVG, MODEL, OUTPUT, REPLICATE, RUNTIME, TOPOLOGY, TrainConfig
 
 _SUBCOMMANDS = ("train", "compare", "plot", "rank")
+_COMMON = (TOPOLOGY, REPLICATE, FEDAVG, ELASTIC, MODEL, DATA, RUNTIME)  # the flag groups of train and compare
 
 
 def _add_common(p: argparse.ArgumentParser, d: TrainConfig) -> None:
-    """Flags shared by ``train`` and ``compare`` (defaults from ``d``)."""
-    g = p.add_argument_group("topology")
+    """Flags shared by ``train`` and ``compare`` (defaults from ``d``): ``--nproc``, then
+    TrainConfig's but ``--strategy`` and the output group."""
+    g = p.add_argument_group(TOPOLOGY)
     g.add_argument("--nproc", type=int, default=None,
                    help="launch N local CPU processes with gloo (default: torchrun's env, else 1)")
-    g.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node,
-                   help="L, ranks per (emulated) node (default: LOCAL_WORLD_SIZE or the world)")
-    g.add_argument("--group-size", type=int, default=d.group_size,
-                   help="G, ranks per federation group (fl-*; default: one node)")
-    g.add_argument("--shard-size", type=int, default=d.shard_size,
-                   help="S, ranks per shard group (hsdp / fl-hsdp; default: one node)")
-    g.add_argument("--hierarchical", action=argparse.BooleanOptionalAction, default=d.hierarchical,
-                   help="FSDP reduce-scatter / all-gather in two stages (intra-node, then inter-node) "
-                        "when the shard group spans nodes")
-    h = p.add_argument_group("replicate all-reduce (hsdp, fl-hsdp)")
-    h.add_argument("--replicate-codec", default=d.replicate_codec,
-                   help=f"the gradients' all-reduce over the R replicas in this codec, through flcomm's hook "
-                        f"(FSDP2): {' | '.join(DENSE_CODECS)} (none: FSDP2's own all-reduce)")
-    h.add_argument("--replicate-error-feedback", action=argparse.BooleanOptionalAction,
-                   default=d.replicate_error_feedback,
-                   help="keep what the replicate codec dropped and add it to the next step's gradient")
-    FedAvgConfig.add_arguments(p.add_argument_group("FedAvg (fl-fsdp, fl-hsdp)"), d.fedavg)
-    e = p.add_argument_group("elastic federation (fl-fsdp, fl-hsdp)")
-    e.add_argument("--elastic", action=argparse.BooleanOptionalAction, default=d.elastic,
-                   help="a federation group that loses a rank is dropped; the others go on (docs/fault-tolerance.md)")
-    e.add_argument("--elastic-grace-s", type=float, default=d.elastic_grace_s,
-                   help="how long a membership round waits for a silent rank before its group is out")
-    e.add_argument("--min-groups", type=int, default=d.min_groups,
-                   help="end the job when fewer federation groups are left")
-    e.add_argument("--rejoin", action=argparse.BooleanOptionalAction, default=d.rejoin,
-                   help="this is a restarted group: load a survivor's latest checkpoint and join at the next "
-                        "sync (--nproc: the launcher restarts a lost group itself with this)")
-    m = p.add_argument_group("model and optimization")
-    m.add_argument("--model", default=d.model, help=f"preset: {', '.join(PRESETS)}")
-    m.add_argument("--vocab-size", type=int, default=d.vocab_size)
-    m.add_argument("--init", default=d.init, help="auto | full | meta (meta: build sharded, no full copy)")
-    m.add_argument("--mixed-precision", default=d.mixed_precision, help="none | bf16")
-    m.add_argument("--steps", type=int, default=d.steps)
-    m.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank per step")
-    m.add_argument("--seq-len", type=int, default=d.seq_len)
-    m.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
-    m.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr (cosine)")
-    m.add_argument("--warmup", type=int, default=d.warmup, help="warm-up steps (default: steps/10, <= 100)")
-    m.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    m.add_argument("--grad-clip", type=float, default=d.grad_clip, help="0: off")
-    m.add_argument("--seed", type=int, default=d.seed)
-    a = p.add_argument_group("data and evaluation")
-    a.add_argument("--data", default=d.data,
-                   help="text file (byte level), .npy or .bin token ids (default: built-in corpus)")
-    a.add_argument("--data-dtype", default=d.data_dtype, help="element type of a .bin file (uint16)")
-    a.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    a.add_argument("--eval-fraction", type=float, default=d.eval_fraction)
-    a.add_argument("--eval-every", type=int, default=d.eval_every, help="0: only at the end")
-    a.add_argument("--eval-batches", type=int, default=d.eval_batches)
-    r = p.add_argument_group("runtime")
-    r.add_argument("--backend", default=d.backend, help="auto | gloo | nccl")
-    r.add_argument("--transport", default=d.transport,
-                   help=f"{' | '.join(TRANSPORTS)}: flcomm's collectives (hierarchical hooks, replicate hook, FedAvg) "
-                        "on torch.distributed's process groups or on flcomm's own NCCL communicators")
-    r.add_argument("--timeout-s", type=float, default=d.timeout_s,
-                   help="timeout of every collective, in seconds (a dead or frozen rank is detected within it)")
-    r.add_argument("--nan-policy", default=d.nan_policy,
-                   help=f"on a non-finite loss or gradient norm: {' | '.join(NAN_POLICIES)} "
-                        "(stop: every rank, naming the step)")
-    r.add_argument("--log-dir", default=d.log_dir,
-                   help="per-rank heartbeats and tracebacks (default: a new temporary directory)")
-    r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=d.progress)
+    TrainConfig.add_arguments(p, d, groups=_COMMON, into={TOPOLOGY: g})
 
 
 def _config(args: argparse.Namespace, **over: object) -> TrainConfig:
@@ -107,16 +46,9 @@ def _train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m flcomm.train",
                                 description="Train the reference Llama-style model with FSDP, HSDP, "
                                             "FL+FSDP or FL+HSDP. Subcommands: compare, plot.")
-    p.add_argument("--strategy", default=d.strategy, help=f"{' | '.join(STRATEGIES)}")
+    TrainConfig.add_arguments(p, d, groups=(None,))  # --strategy
     _add_common(p, d)
-    o = p.add_argument_group("output")
-    o.add_argument("--metrics", default=None, help="JSONL file of per-step metrics")
-    o.add_argument("--checkpoint-dir", default=None)
-    o.add_argument("--save-every", type=int, default=0, help="0: only at the end")
-    o.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
-    o.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    o.add_argument("--allow-data-change", action="store_true",
-                   help="resume even though the data differ from the checkpoint's")
+    TrainConfig.add_arguments(p, d, groups=(OUTPUT,))
     return p
 
 

@@ -111,7 +111,7 @@ def run_config(base: TrainConfig, strategy: str, metrics: str) -> TrainConfig:
     """``base`` adapted to ``strategy``: the group size only for fl-*, the shard size only for
     the hybrid strategies; everything else is shared."""
     st = Strategy.parse(strategy)
-    return replace(base, strategy=st.value, metrics=metrics,
+    return replace(base, strategy=st, metrics=metrics,
                    group_size=base.group_size if st.federated else None,
                    shard_size=base.shard_size if st.hybrid else None,
                    checkpoint_dir=None, save_every=0, resume=False)
@@ -194,7 +194,7 @@ def _launch_emulated(cluster: netns.EmulatedCluster, cfg: TrainConfig, nproc: in
     log_dir = tempfile.mkdtemp(prefix="flcomm-run-")
     cfg = replace(cfg, backend="gloo", log_dir=log_dir)
     check_before_launch(cfg, nproc)
-    path = os.path.join(log_dir, f"{cfg.strategy}.config.json")
+    path = os.path.join(log_dir, f"{cfg.strategy.value}.config.json")
     with open(path, "w") as f:
         json.dump(cfg.to_dict(), f)
     # NOTE: the ranks import this flcomm, and split the cores as launch_local's ranks do
