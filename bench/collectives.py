@@ -59,6 +59,7 @@ from bench.common import (  # noqa: E402
     time_op,
     write_json,
 )
+from flcomm.federated.mesh import init_fed_mesh
 
 COLLECTIVES = ("reduce_scatter", "all_gather", "all_reduce")
 
@@ -134,7 +135,7 @@ def run(env: Env, args: argparse.Namespace) -> None:
     dtype = DTYPES[args.dtype]
     esize = torch.tensor([], dtype=dtype).element_size()
     P, L = env.world, env.ranks_per_node
-    mesh = Strategy.FSDP.topology(P, L).build(device_type=env.device.type, timeout=env.timeout)
+    mesh = init_fed_mesh(Strategy.FSDP.topology(P, L), device_type=env.device.type, timeout=env.timeout)
     dev = env.device
     records: list[Record] = []
     say = print if env.rank == 0 else (lambda *a, **k: None)

@@ -50,6 +50,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from flcomm.federated.mesh import init_fed_mesh
+
 MODES: dict[str, dict[str, Any]] = {
     "paper (none)": {},
     "none, overlap": {"overlap_steps": 1},
@@ -97,7 +99,7 @@ def _rank(rank: int, world: int, port: int, a: argparse.Namespace, q: Any) -> No
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-    mesh = Topology(world, world, group_size=1, shard_size=1).build(hierarchical=False)
+    mesh = init_fed_mesh(Topology(world, world, group_size=1, shard_size=1), node_tiers=False)
     rows = []
     for name, kw in MODES.items():
         torch.manual_seed(0)

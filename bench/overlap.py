@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from flcomm.federated.config import AUTO, parse_overlap_steps
+from flcomm.federated.mesh import init_fed_mesh
 
 AUTO_WARMUP_BLOCKS = 6  # overlapped warm-up blocks at most, until "auto" has chosen
 
@@ -172,7 +173,7 @@ def rank_main(a: argparse.Namespace) -> list[dict[str, Any]]:
     world = dist.get_world_size()
     torch.set_num_threads(a.threads)
     topo = Strategy.FL_FSDP.topology(world, a.ranks_per_node, group_size=a.group_size)
-    mesh = topo.build("cpu", timeout=timedelta(seconds=a.timeout), hierarchical=False)
+    mesh = init_fed_mesh(topo, "cpu", timeout=timedelta(seconds=a.timeout), node_tiers=False)
     records = _measure(a, mesh)
     dist.destroy_process_group()
     return records

@@ -210,7 +210,7 @@ def _world_and_mesh(a: argparse.Namespace, env: Env, timeout: timedelta) -> tupl
     strategy = flcomm.Strategy.FL_HSDP if hsdp else flcomm.Strategy.FL_FSDP
     topo = strategy.topology(env.world, ranks_per_node=env.per_node, group_size=env.per_node,
                              shard_size=env.per_node // 2 if hsdp else None)
-    mesh = topo.build("cpu", timeout=timeout)
+    mesh = flcomm.init_fed_mesh(topo, "cpu", timeout=timeout)
     return (mesh.device_mesh["replicate", "shard"] if hsdp else mesh.device_mesh["shard"]), mesh
 
 

@@ -122,10 +122,10 @@ def _fl_rank(a: argparse.Namespace, env: Env, store: Any, timeout: timedelta) ->
     dist.init_process_group("gloo", store=dist.PrefixStore(f"flcomm/group{env.node}/inc{a.restart}/", store),
                             rank=env.local, world_size=env.per_node, timeout=timeout)
     topo = flcomm.Strategy.FL_FSDP.topology(env.world, ranks_per_node=env.per_node, group_size=env.per_node)
-    mesh = topo.build("cpu", timeout=timeout, group_rank=env.rank)
+    mesh = flcomm.init_fed_mesh(topo, "cpu", timeout=timeout, group_rank=env.rank)
     model, inner = build_model_sharded(a, mesh.device_mesh["shard"])
-    federation = Federation(store, topo, env.rank, backend="gloo", timeout=timeout, grace_s=a.grace,
-                            stats=mesh.stats, rejoin_mode=restarted)
+    federation = Federation(store, topo, env.rank, mesh.config, grace_s=a.grace, stats=mesh.stats,
+                            rejoin_mode=restarted)
     cfg = flcomm.FedAvgConfig(sync_every=a.sync_every, outer="nesterov", outer_lr=OUTER_LR,
                               outer_momentum=OUTER_MOMENTUM, bucket_mb=a.bucket_mb)
     return model, inner, flcomm.FedAvg(model, mesh, cfg, optimizer=inner, federation=federation,

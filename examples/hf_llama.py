@@ -22,7 +22,7 @@ Usage (CPU, gloo; transformers comes with ``pip install --no-build-isolation -e 
 G and S default as in the driver (``flcomm.Strategy``): a group is one node (LOCAL_WORLD_SIZE
 ranks; fl-hsdp: two nodes when that leaves two groups), halved when all ranks share one node.
 End on a multiple of --sync-every, so the groups end equal. On GPUs the same loop runs with the
-"nccl" backend, ``torch.cuda.set_device(LOCAL_RANK)``, ``topo.build("cuda")`` and the model and
+"nccl" backend, ``torch.cuda.set_device(LOCAL_RANK)``, ``flcomm.init_fed_mesh(topo, "cuda")`` and the model and
 batches on the GPU.
 """
 
@@ -81,7 +81,7 @@ def train(args: argparse.Namespace) -> tuple[list[float], nn.Module, flcomm.FedA
     L = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     strategy = flcomm.Strategy.parse(args.strategy)
     topo = strategy.topology(world, L, args.group_size, args.shard_size)           # flcomm
-    mesh = topo.build("cpu", timeout=timedelta(seconds=args.timeout_s))            # flcomm
+    mesh = flcomm.init_fed_mesh(topo, "cpu", timeout=timedelta(seconds=args.timeout_s))     # flcomm
     dims = "shard" if topo.num_replicas == 1 else ("replicate", "shard")
 
     model = build_model(args)

@@ -7,7 +7,7 @@ FL+HSDP). See README.md and docs/.
 The main entry points are importable from here (lazily, so ``import flcomm`` stays cheap)::
 
     topo = flcomm.Strategy.FL_FSDP.topology(world_size, ranks_per_node, group_size=8)
-    mesh = topo.build("cuda")
+    mesh = flcomm.init_fed_mesh(topo, "cuda")
     fed = flcomm.FedAvg(model, mesh, flcomm.FedAvgConfig(sync_every=8, codec="int8"))
 
 Layers (imports only go down; ``tests/unit/test_layering.py`` parses every import, lazy and
@@ -43,6 +43,8 @@ _LAZY = {
     "Strategy": "flcomm.federated.strategy",
     "Topology": "flcomm.federated.topology",
     "FedMesh": "flcomm.federated.mesh",
+    "MeshConfig": "flcomm.federated.mesh",
+    "init_fed_mesh": "flcomm.federated.mesh",
     # FedAvg across federation groups
     "FedAvg": "flcomm.federated.fedavg",
     "FedAvgConfig": "flcomm.federated.config",

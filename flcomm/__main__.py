@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def transports() -> dict[str, str]:
-    """What ``Topology.build(transport=...)`` can use here: ``torch`` (torch.distributed's process
+    """What ``init_fed_mesh(topology, transport=...)`` can use here: ``torch`` (torch.distributed's process
     groups) always; ``native`` (flcomm's own NCCL communicators) when an NcclTransport can be
     built (:func:`flcomm.comm.nccl.nccl_available`), else why not."""
     # NOTE: here, not in flcomm.info, which the transports' layer sits above

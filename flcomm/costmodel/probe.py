@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from flcomm.comm.base import DEFAULT_TIMEOUT, LinkTier, wire_bytes
 from flcomm.costmodel.model import placement
+from flcomm.federated.mesh import init_fed_mesh
 from flcomm.federated.strategy import Strategy
 from flcomm.validate import integer
 
@@ -49,8 +50,8 @@ def measure_tiers(ranks_per_node: int, group_size: int | None = None, nbytes: in
         raise ValueError(f"world size {P} is not a whole number of nodes of {L} ranks")
     integer("nbytes", nbytes, 1)
     G = group_size or L
-    fsdp = Strategy.FSDP.topology(P, L).build("cpu", timeout=timeout, hierarchical=True)
-    fl = (Strategy.FL_FSDP.topology(P, L, G).build("cpu", timeout=timeout, hierarchical=False)
+    fsdp = init_fed_mesh(Strategy.FSDP.topology(P, L), "cpu", timeout=timeout, node_tiers=True)
+    fl = (init_fed_mesh(Strategy.FL_FSDP.topology(P, L, G), "cpu", timeout=timeout, node_tiers=False)
           if P // G > 1 else None)
     world = dist.group.WORLD
 

@@ -16,6 +16,8 @@ _LAZY = {
     "NonFiniteAverageError": "flcomm.federated.nonfinite",
     "ReplicaMismatchError": "flcomm.federated.verify",
     "FedMesh": "flcomm.federated.mesh",
+    "MeshConfig": "flcomm.federated.mesh",
+    "init_fed_mesh": "flcomm.federated.mesh",
     "RankCoords": "flcomm.federated.topology",
     "Topology": "flcomm.federated.topology",
     "Strategy": "flcomm.federated.strategy",

@@ -136,7 +136,7 @@ class FedAvgConfig:
     """
 
     sync_every: int = _setting(8, "E: local steps between syncs", "paper")
-    codec: str = _setting("none", f"wire codec of the exchange: {', '.join(CODECS)}; options after the name, "
+    codec: str | Codec = _setting("none", f"wire codec of the exchange: {', '.join(CODECS)}; options after the name, "
                                   "e.g. topk:d=0.02:bits=2 (a Codec object is kept as given)")
     block_size: int | None = _setting(None, "elements per scale of the int8 / fp8 codecs (None: the codec's "
                                             "own, 256)")
@@ -312,7 +312,7 @@ def check_inputs(mesh: Any, optimizer: Any, inner_state: InnerState) -> None:
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not hasattr(mesh, "topology") or not hasattr(mesh, "transport"):
-        raise TypeError(f"mesh must be a flcomm FedMesh (Topology.build()), got {type(mesh).__name__}")
+        raise TypeError(f"mesh must be a flcomm FedMesh (init_fed_mesh(topology)), got {type(mesh).__name__}")
 
 
 def one_device(tensors: list[torch.Tensor]) -> torch.device:

@@ -54,6 +54,7 @@ from torch import Tensor
 from flcomm.comm.base import EXCHANGE_MAX_CTAS, CommStats, LinkTier, Transport
 from flcomm.comm.engine import EngineError, Job
 from flcomm.comm.torch_pg import ProcessGroupTransport, abort_group, store_group
+from flcomm.federated.mesh import MeshConfig, TransportKind, cta_policy_value
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -163,15 +164,16 @@ class Federation:
         store: the job's TCPStore (every rank of every group reaches it; a launcher hosts it).
         topology: the full topology (all groups, as started).
         rank: this rank's global rank in ``topology``.
-        backend: ``gloo`` or ``nccl`` (torch's process groups), or ``native`` (flcomm's NCCL
-            communicators), for the cross-group groups.
-        timeout: every cross-group collective's timeout.
+        mesh: the mesh's :class:`~flcomm.federated.mesh.MeshConfig` (its ``transport``: torch's
+            process groups or flcomm's NCCL communicators for the cross-group groups; its
+            ``timeout``, every cross-group collective's; its ``exchange_max_ctas`` and
+            ``exchange_cta_policy``, the native exchange communicators', for every generation).
+        backend: torch.distributed's backend of the cross-group process groups (``gloo`` or
+            ``nccl``) with ``mesh.transport="torch"``.
         grace_s: how long a membership round (and a commit) waits for a silent rank.
         min_groups: fewer live groups end the job.
         stats: where the transports count their bytes (the mesh's).
         rejoin_mode: this rank's group is restarting: call :meth:`rejoin` before any exchange.
-        exchange_max_ctas, exchange_cta_policy: the native exchange communicator's CTA cap and
-            NCCL CTA policy value (the mesh's; None: NCCL's default), for every generation.
 
     Attributes:
         membership: the current :class:`Membership`.
@@ -181,14 +183,12 @@ class Federation:
     store: dist.Store
     topology: Topology
     rank: int
+    mesh: MeshConfig = field(default_factory=MeshConfig)
     backend: str = "gloo"
-    timeout: timedelta = timedelta(seconds=300)
     grace_s: float = 15.0
     min_groups: int = 1
     stats: CommStats | None = None
     rejoin_mode: bool = False
-    exchange_max_ctas: int | None = EXCHANGE_MAX_CTAS
-    exchange_cta_policy: int | None = None
     membership: Membership = field(init=False)
     events: list[dict[str, Any]] = field(default_factory=list, init=False)
 
@@ -197,6 +197,12 @@ class Federation:
 
         if not self.grace_s > 0:
             raise ValueError(f"grace_s must be > 0, got {self.grace_s!r}")
+        if self.backend not in ("gloo", "nccl"):
+            native = self.backend == "native"
+            hint = " (flcomm's NCCL communicators are mesh=MeshConfig(transport='native'))" if native else ""
+            raise ValueError(f"backend must be 'gloo' or 'nccl' (torch's process groups), got {self.backend!r}{hint}")
+        if not isinstance(self.mesh, MeshConfig):
+            raise TypeError(f"mesh must be a MeshConfig (FedMesh.config), got {type(self.mesh).__name__}")
         F = self.topology.num_groups
         if not isinstance(self.min_groups, int) or not 1 <= self.min_groups <= F:
             raise ValueError(f"min_groups must be an integer in [1, {F}] (the federation groups), "
@@ -215,6 +221,10 @@ class Federation:
             self.membership = first
 
     # ---------------------------------------------------------------- views
+    @property
+    def timeout(self) -> timedelta:
+        return self.mesh.timeout
+
     @property
     def generation(self) -> int:
         return self.membership.generation
@@ -465,10 +475,10 @@ class Federation:
         g = self.generation
         self._retire()
         prefix, index = f"gen{g}/fed{self.coords.index}/", members.index(self.rank)
-        if self.backend == "native":
+        if self.mesh.transport_kind is TransportKind.NATIVE:
             root, self._transport = native_generation(self.kv, prefix, index, len(members), self.stats,
-                                                      self.timeout, self.exchange_max_ctas or 0,
-                                                      self.exchange_cta_policy)
+                                                      self.timeout, self.mesh.exchange_max_ctas or 0,
+                                                      cta_policy_value(self.mesh.exchange_cta_policy))
             self._roots.append(root)  # NOTE: kept with the split it made; aborted with it (_retire)
             return
         pg = store_group(self.kv, prefix, index, len(members), self.backend, self.timeout)

@@ -124,7 +124,7 @@ class FedAvg:
         federation: an elastic :class:`~flcomm.federated.elastic.Federation`: the exchange runs
             over its replaceable process groups, every round is agreed through the store, and a
             round that failed is redone among the surviving groups (:meth:`_settle`); ``mesh``
-            is then a group's own world (``Topology.build(group_rank=...)``).
+            is then a group's own world (``init_fed_mesh(topology, group_rank=...)``).
         sync_init: broadcast the model from federation group 0 at construction, so all groups
             start from one point (the algorithm assumes it).
 

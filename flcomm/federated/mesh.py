@@ -1,16 +1,20 @@
 """The runtime half of a :class:`~flcomm.federated.topology.Topology`: a rank's
-:class:`FedMesh` (its DeviceMesh, process groups and transports), made by
-:meth:`Topology.build <flcomm.federated.topology.Topology.build>`."""
+:class:`FedMesh` (its DeviceMesh, process groups and transports), made by :func:`init_fed_mesh`
+from the topology and a :class:`MeshConfig` (the mesh's settings), as
+``torch.distributed.device_mesh.init_device_mesh`` makes a DeviceMesh."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from flcomm.comm.base import EXCHANGE_MAX_CTAS, CommStats, LinkTier, Transport
+from flcomm.comm.base import DEFAULT_TIMEOUT, EXCHANGE_MAX_CTAS, CommStats, LinkTier, Transport
 from flcomm.enums import Choice
 from flcomm.federated.topology import MESH_DIMS, Topology
+from flcomm.validate import integer
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -19,7 +23,7 @@ if TYPE_CHECKING:
     from flcomm.collectives.hierarchical import Hierarchy
     from flcomm.comm.nccl import NcclTransport
 
-__all__ = ["EXCHANGE_GROUPS", "FedMesh", "TransportKind"]
+__all__ = ["EXCHANGE_GROUPS", "FedMesh", "MeshConfig", "TransportKind", "init_fed_mesh"]
 
 # the groups whose collectives a FedAvg job issues from the progress engine's thread, beside
 # FSDP's own: the exchange's and the flags' agreement (review item H3). They get the CTA cap
@@ -35,15 +39,93 @@ class TransportKind(Choice, what="transport"):
     NATIVE = "native"
 
 
-def _cta_policy_value(name: str | None, kind: TransportKind) -> int | None:
+@dataclass(frozen=True)
+class MeshConfig:
+    """Every setting of a :class:`FedMesh`, checked when it is made (a bad value raises
+    ValueError naming the field, what is allowed and what came). The trainer's
+    ``TrainConfig.mesh`` and an elastic :class:`~flcomm.federated.elastic.Federation` read the
+    same object.
+
+    Fields:
+        transport: what flcomm's own collectives run on (the hooks, FedAvg's exchange):
+            ``"torch"``, torch.distributed's process groups; ``"native"``, flcomm's NCCL
+            communicators (CUDA only), one root per process and every tier split from it. FSDP's
+            DeviceMesh stays on torch's process groups either way.
+        node_tiers: also make the intra-node and inter-node groups of the shard dim and of the
+            federation group (``shard_intra`` / ``shard_inter``, ``group_intra`` /
+            ``group_inter``), which the hierarchical collectives use.
+        timeout: every collective's timeout (a ``timedelta``, or seconds).
+        exchange_max_ctas: on NCCL, the CTAs (SMs) each collective of the FedAvg exchange's
+            groups may hold (None: NCCL's default); the groups inside a federation group keep
+            NCCL's defaults.
+        exchange_cta_policy: ``transport="native"`` only, the exchange's communicators' NCCL CTA
+            policy (NCCL >= 2.27: ``"default"``, ``"efficiency"``, ``"zero"``; None: NCCL's
+            default), beside ``exchange_max_ctas``; checked against the loaded NCCL when the
+            mesh is built.
+    """
+
+    transport: str = "torch"
+    node_tiers: bool = True
+    timeout: timedelta = DEFAULT_TIMEOUT
+    exchange_max_ctas: int | None = EXCHANGE_MAX_CTAS
+    exchange_cta_policy: str | None = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "transport", TransportKind.parse(self.transport).value)
+        if not isinstance(self.node_tiers, bool):
+            raise ValueError(f"node_tiers must be True or False, got {self.node_tiers!r}")
+        if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):
+            set_(self, "timeout", timedelta(seconds=self.timeout))
+        if not isinstance(self.timeout, timedelta) or self.timeout <= timedelta(0):
+            raise ValueError(f"timeout must be a positive timedelta (or seconds), got {self.timeout!r}")
+        if self.exchange_max_ctas is not None:
+            integer("exchange_max_ctas", self.exchange_max_ctas, 1, also=" or None (NCCL's default)")
+        if self.exchange_cta_policy is not None and not isinstance(self.exchange_cta_policy, str):
+            raise ValueError(f"exchange_cta_policy must be a policy name or None, got {self.exchange_cta_policy!r}")
+        if self.exchange_cta_policy is not None and self.transport != TransportKind.NATIVE.value:
+            raise ValueError(f"exchange_cta_policy needs transport='native' (torch's ProcessGroupNCCL has no CTA "
+                             f"policy option), got exchange_cta_policy={self.exchange_cta_policy!r} with "
+                             f"transport='{self.transport}'")
+
+    @property
+    def transport_kind(self) -> TransportKind:
+        return TransportKind(self.transport)
+
+    @classmethod
+    def make(cls, config: MeshConfig | None = None, **settings: Any) -> MeshConfig:
+        """``config`` with ``settings`` replaced (a new default config when None); TypeError naming
+        an unknown setting."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(settings) - set(names))
+        if unknown:
+            hint = " (hierarchical is node_tiers)" if "hierarchical" in unknown else ""
+            raise TypeError(f"unknown mesh setting(s) {unknown}{hint}; the settings are: {', '.join(names)}")
+        if config is not None and not isinstance(config, cls):
+            raise TypeError(f"config must be a MeshConfig, got {type(config).__name__}")
+        return dataclasses.replace(config, **settings) if config is not None else cls(**settings)
+
+
+def init_fed_mesh(topology: Topology, device_type: str = "cpu", config: MeshConfig | None = None, *,
+                  stats: CommStats | None = None, group_rank: int | None = None, **settings: Any) -> FedMesh:
+    """This rank's :class:`FedMesh` of ``topology`` (collective: every rank calls it, once
+    torch.distributed is initialized), as ``init_device_mesh`` makes a DeviceMesh.
+
+    ``config``: the :class:`MeshConfig`; keyword ``settings`` replace fields of it (or of the
+    default): ``init_fed_mesh(topo, "cuda", transport="native", timeout=timedelta(minutes=2))``.
+    ``stats``: the :class:`~flcomm.comm.base.CommStats` the transports count into (a new one by
+    default). ``group_rank``: torch.distributed's world is this rank's federation group only
+    (elastic federation: each group is its own world) and this is the rank's global rank; the
+    mesh then has the group's dims only, and the "fed" dim is left to the federation."""
+    return FedMesh(topology, device_type, MeshConfig.make(config, **settings), stats=stats, group_rank=group_rank)
+
+
+def cta_policy_value(name: str | None) -> int | None:
     """The NCCL value of CTA policy ``name`` for the exchange's communicators (None: NCCL's
-    default), refused before anything is built: native transport only (torch's
-    ProcessGroupNCCL options have no CTA policy), and one of the loaded NCCL's policies."""
+    default), refused before anything is built unless it is one of the loaded NCCL's policies
+    (:class:`MeshConfig` refuses one without the native transport)."""
     if name is None:
         return None
-    if kind is not TransportKind.NATIVE:
-        raise ValueError(f"exchange_cta_policy needs transport='native' (torch's ProcessGroupNCCL has no CTA "
-                         f"policy option), got exchange_cta_policy={name!r} with transport='{kind.value}'")
     from flcomm.comm.nccl import library
 
     policies = dict(getattr(library(), "NCCL_CTA_POLICIES", {}))
@@ -71,21 +153,18 @@ class FedMesh:
     tiers are communicators only.
     """
 
-    def __init__(self, topo: Topology, device_type: str, stats: CommStats | None,
-                 timeout: timedelta, hierarchical: bool, group_rank: int | None = None,
-                 exchange_max_ctas: int | None = EXCHANGE_MAX_CTAS, transport: str = "torch",
-                 exchange_cta_policy: str | None = None) -> None:
+    def __init__(self, topo: Topology, device_type: str, config: MeshConfig, *, stats: CommStats | None = None,
+                 group_rank: int | None = None) -> None:
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
-        self.transport_kind = TransportKind.parse(transport)
+        self.config = config
         if not dist.is_initialized():
-            raise RuntimeError("Topology.build needs torch.distributed to be initialized first")
+            raise RuntimeError("init_fed_mesh needs torch.distributed to be initialized first")
         if self.transport_kind is TransportKind.NATIVE:
             _check_native(device_type)
-        self._cta_policy = _cta_policy_value(exchange_cta_policy, self.transport_kind)
-        self.exchange_cta_policy = exchange_cta_policy
+        self._cta_policy = cta_policy_value(config.exchange_cta_policy)
         self.group_world = group_rank is not None
         want = topo.group_size if self.group_world else topo.world_size
         if dist.get_world_size() != want:
@@ -100,8 +179,6 @@ class FedMesh:
         # NOTE: in a group's own world, torch's rank of global rank r is its index in the group
         self._own = topo.group_ranks(self.coords.group)
         self.stats = stats if stats is not None else CommStats()
-        self.timeout = timeout
-        self.exchange_max_ctas = exchange_max_ctas
         self.group_ranks: dict[str, list[int]] = {}
         dims = MESH_DIMS[1:] if self.group_world else MESH_DIMS
         self.groups: dict[str, dist.ProcessGroup] = {d: self.new_groups(topo.dim_groups(d), d) for d in dims}
@@ -122,7 +199,7 @@ class FedMesh:
         #: trainer's failure report noting each collective); None: the transport itself
         self.observe: Callable[[Transport, str], Transport] | None = None
         tiers = {d: topo.dim_groups(d) for d in (*dims, "group")}
-        if hierarchical:
+        if config.node_tiers:
             for base in ("shard", "group"):
                 intra_all, inter_all = [], []
                 for ranks in topo.dim_groups(base):
@@ -170,6 +247,18 @@ class FedMesh:
         self._root = NcclTransport.from_group(None, LinkTier.INTRA_NODE, self.stats, self.timeout)
         for name, lists in tiers.items():
             self._split(name, lists)
+
+    @property
+    def transport_kind(self) -> TransportKind:
+        return self.config.transport_kind
+
+    @property
+    def timeout(self) -> timedelta:
+        return self.config.timeout
+
+    @property
+    def exchange_max_ctas(self) -> int | None:
+        return self.config.exchange_max_ctas
 
     def _split(self, name: str, lists: list[list[int]]) -> NcclTransport | None:
         mine = self._mine(lists)
@@ -277,14 +366,14 @@ class FedMesh:
 
     def hierarchy(self, base: str = "shard") -> Hierarchy:
         """The :class:`~flcomm.collectives.hierarchical.Hierarchy` (intra-node and inter-node
-        transports) of group ``base`` ("shard" or "group"); needs ``hierarchical=True``."""
+        transports) of group ``base`` ("shard" or "group"); needs ``node_tiers=True``."""
         from flcomm.collectives.hierarchical import Hierarchy
 
         if base not in ("shard", "group"):
             raise ValueError(f"base must be 'shard' or 'group', got {base!r}")
         for name in (f"{base}_intra", f"{base}_inter"):
             if name not in self.groups and name not in self._native:
-                raise ValueError(f"FedMesh has no {name!r} group: build it with hierarchical=True")
+                raise ValueError(f"FedMesh has no {name!r} group: build it with node_tiers=True")
         return Hierarchy(self.transport(f"{base}_intra"), self.transport(f"{base}_inter"))
 
     def transport(self, name: str) -> Transport:
@@ -310,7 +399,7 @@ def _check_native(device_type: str) -> None:
 
     ok, reason = nccl.nccl_available()
     if not ok:
-        raise RuntimeError(f"Topology.build(transport='native'): {reason}; transport='torch' runs anywhere")
+        raise RuntimeError(f"init_fed_mesh(transport='native'): {reason}; transport='torch' runs anywhere")
     if device_type != nccl.device_type():
-        raise ValueError(f"Topology.build(transport='native') runs on {nccl.device_type()!r} devices (NCCL), "
+        raise ValueError(f"init_fed_mesh(transport='native') runs on {nccl.device_type()!r} devices (NCCL), "
                          f"got device_type {device_type!r}")

@@ -203,23 +203,17 @@ class Topology:
               timeout: timedelta = DEFAULT_TIMEOUT, hierarchical: bool = True,
               group_rank: int | None = None, exchange_max_ctas: int | None = EXCHANGE_MAX_CTAS,
               transport: str = "torch", exchange_cta_policy: str | None = None) -> FedMesh:
-        """Create the DeviceMesh and the process groups (collective: every rank calls it).
+        """Deprecated (for one release): ``flcomm.init_fed_mesh(topology, device_type, ...)``,
+        whose :class:`~flcomm.federated.mesh.MeshConfig` holds these settings
+        (``hierarchical`` is its ``node_tiers``)."""
+        import warnings
 
-        ``group_rank``: torch.distributed's world is this rank's federation group only (elastic
-        federation: each group is its own world) and this is the rank's global rank; the mesh
-        then has the group's dims only, and the "fed" dim is left to the federation.
-        ``exchange_max_ctas``: on NCCL, the CTAs (SMs) each collective of the FedAvg exchange's
-        groups may hold (None: NCCL's default); the groups inside a federation group keep NCCL's
-        defaults.
-        ``transport``: what flcomm's own collectives run on (the hooks, FedAvg's exchange):
-        ``"torch"``, torch.distributed's process groups; ``"native"``, flcomm's NCCL communicators
-        (CUDA only), one root per process and every tier split from it. FSDP's DeviceMesh stays on
-        torch's process groups either way.
-        ``exchange_cta_policy``: ``transport="native"`` only, the exchange's communicators' NCCL CTA
-        policy (NCCL >= 2.27: ``"default"``, ``"efficiency"``, ``"zero"``; None: NCCL's default),
-        beside ``exchange_max_ctas``.
-        """
-        from flcomm.federated.mesh import FedMesh  # NOTE: the runtime half; this module stays a description
+        # NOTE: the one import of the runtime half, and the one circle topology <-> mesh; both go
+        # with this alias
+        from flcomm.federated.mesh import init_fed_mesh
 
-        return FedMesh(self, device_type, stats, timeout, hierarchical, group_rank, exchange_max_ctas, transport,
-                       exchange_cta_policy)
+        warnings.warn("Topology.build() is deprecated: use flcomm.init_fed_mesh(topology, device_type, ...) "
+                      "(hierarchical= is node_tiers=)", DeprecationWarning, stacklevel=2)
+        return init_fed_mesh(self, device_type, stats=stats, group_rank=group_rank, timeout=timeout,
+                             node_tiers=hierarchical, exchange_max_ctas=exchange_max_ctas, transport=transport,
+                             exchange_cta_policy=exchange_cta_policy)

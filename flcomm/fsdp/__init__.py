@@ -3,7 +3,7 @@ for FSDP2 (``fsdp2``), and the hierarchical comm hook for FSDP1 (``fsdp1``).
 
 FSDP2::
 
-    mesh = Strategy.FSDP.topology(world, ranks_per_node).build()
+    mesh = init_fed_mesh(Strategy.FSDP.topology(world, ranks_per_node))
     fully_shard(block, mesh=mesh.device_mesh["shard"]) ...; fully_shard(model, mesh=...)
     apply_hierarchical_collectives(model, mesh.hierarchy("shard"))
 

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields
+from datetime import timedelta
 from typing import Any
 
 from flcomm.codecs import DENSE_CODECS
 from flcomm.federated.config import FedAvgConfig, add_field_arguments
+from flcomm.federated.mesh import MeshConfig, TransportKind
 from flcomm.federated.strategy import Strategy
 from flcomm.federated.topology import Topology
 from flcomm.train.model import PRESETS, get_config
 from flcomm.validate import integer, number
 
 NAN_POLICIES = ("stop", "skip-step")
-TRANSPORTS = ("torch", "native")
 
 # the titles of the trainer's flag groups in --help (a field of none: the parser's own option)
 TOPOLOGY = "topology"
@@ -101,9 +102,9 @@ class TrainConfig:
     allow_data_change: bool = _flag(False, OUTPUT, "resume even though the data differ from the checkpoint's",
                                     action="store_true")
     backend: str = _flag("auto", RUNTIME, "auto | gloo | nccl")
-    transport: str = _flag("torch", RUNTIME, f"{' | '.join(TRANSPORTS)}: flcomm's collectives (hierarchical hooks, "
-                                             "replicate hook, FedAvg) on torch.distributed's process groups or on "
-                                             "flcomm's own NCCL communicators")
+    transport: str = _flag("torch", RUNTIME, f"{' | '.join(TransportKind.values())}: flcomm's collectives "
+                                             "(hierarchical hooks, replicate hook, FedAvg) on torch.distributed's "
+                                             "process groups or on flcomm's own NCCL communicators")
     # every collective, mesh dims included
     timeout_s: float = _flag(300.0, RUNTIME, "timeout of every collective, in seconds (a dead or frozen rank is "
                                              "detected within it)")
@@ -131,7 +132,7 @@ class TrainConfig:
         one_of("mixed_precision", ("none", "bf16"))
         one_of("backend", ("auto", "gloo", "nccl"))
         one_of("nan_policy", NAN_POLICIES)
-        one_of("transport", TRANSPORTS)
+        one_of("transport", tuple(TransportKind.values()))
         one_of("replicate_codec", DENSE_CODECS, "replicate codec")
         self._check_replicate()
         for name in ("steps", "batch_size", "seq_len", "eval_batches"):
@@ -189,6 +190,12 @@ class TrainConfig:
             raise ValueError(f"seq_len {self.seq_len} exceeds max_seq_len {cfg.max_seq_len} of model "
                              f"preset {self.model!r}")
         return cfg
+
+    def mesh_config(self) -> MeshConfig:
+        """The mesh's settings of this run (``--transport``, ``--timeout-s``; the rest as
+        :class:`~flcomm.federated.mesh.MeshConfig`'s defaults): what the mesh and an elastic
+        federation read."""
+        return MeshConfig(transport=self.transport, timeout=timedelta(seconds=self.timeout_s))
 
     def warmup_steps(self) -> int:
         return self.warmup if self.warmup is not None else min(100, max(1, self.steps // 10))

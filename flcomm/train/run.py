@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from flcomm.federated.fedavg import FedAvg
+from flcomm.federated.mesh import init_fed_mesh
 from flcomm.federated.topology import Topology
 from flcomm.train import checkpoint as ckpt
 from flcomm.train.config import TrainConfig, resolve_topology
@@ -250,19 +251,15 @@ def build_run(cfg: TrainConfig, monitor: Monitor, store: Any = None) -> Run:
     device = _device(backend)
     local_ws = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
     topo = resolve_topology(cfg, P, local_ws)
-    timeout = timedelta(seconds=cfg.timeout_s)
-    mesh = topo.build(device_type=device.type, timeout=timeout, group_rank=rank if cfg.elastic else None,
-                      transport=cfg.transport)
+    mesh = init_fed_mesh(topo, device.type, cfg.mesh_config(), group_rank=rank if cfg.elastic else None)
     federation = None
     if cfg.elastic:
         from flcomm.federated.elastic import Federation
 
         if store is None:
             raise RuntimeError("--elastic needs the job's store (flcomm.train.launch.worker_main passes it)")
-        fed_backend = "native" if cfg.transport == "native" else backend
-        federation = Federation(store, topo, rank, backend=fed_backend, timeout=timeout, grace_s=cfg.elastic_grace_s,
-                                min_groups=cfg.min_groups, stats=mesh.stats, rejoin_mode=cfg.rejoin,
-                                exchange_max_ctas=mesh.exchange_max_ctas, exchange_cta_policy=mesh._cta_policy)
+        federation = Federation(store, topo, rank, mesh.config, backend=backend, grace_s=cfg.elastic_grace_s,
+                                min_groups=cfg.min_groups, stats=mesh.stats, rejoin_mode=cfg.rejoin)
     monitor.set_groups({k: list(v) for k, v in mesh.group_ranks.items()})
     # NOTE: the global generators are seeded, so the RNG state a checkpoint saves is the same
     # run to run (nothing in the loop draws from them today; dropout would).

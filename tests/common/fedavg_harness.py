@@ -10,6 +10,7 @@ import copy
 
 import torch
 
+from flcomm.federated.mesh import init_fed_mesh
 from tests.common.fedavg_sim import Block, averaged_names, batch, loss_fn, make_model, make_opt, simulate
 
 RTOL, ATOL = 1e-4, 2e-5  # fp32: different summation orders only
@@ -35,7 +36,7 @@ def fed_mesh(world: int, F: int, S: int | None = None, transport: str = "torch")
     groups). ``transport="native"`` needs the NCCL stand-in installed (tests/common/fake_nccl.py)."""
     key = (world, F, S, transport)
     if key not in _MESHES:
-        _MESHES[key] = _topology(world, F, S).build(hierarchical=False, transport=transport)
+        _MESHES[key] = init_fed_mesh(_topology(world, F, S), node_tiers=False, transport=transport)
     return _MESHES[key]
 
 

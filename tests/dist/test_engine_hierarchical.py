@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from flcomm.federated.mesh import init_fed_mesh
 from tests.common.dist import run_distributed
 
 pytestmark = pytest.mark.timeout(240)  # NOTE: a hang guard above run_distributed's own (120 s + start-up)
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.timeout(240)  # NOTE: a hang guard above run_distribute
 def _hier_advances(rank: int, world: int) -> dict:
     from flcomm.federated.topology import Topology
 
-    mesh = Topology(world, 2).build()
+    mesh = init_fed_mesh(Topology(world, 2))
     h = mesh.hierarchy("shard")
     mine = torch.full((1000,), float(rank))
     full = torch.empty(world * 1000)

@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import pytest
 
+from flcomm.federated.mesh import init_fed_mesh
 from tests.common.fedavg_sim import batch, loss_fn, make_model, make_opt
 
 pytestmark = pytest.mark.timeout(240)
@@ -22,8 +23,8 @@ def _killed_peer(rank: int, world: int) -> dict:
     from flcomm.federated.fedavg import FedAvg
     from flcomm.federated.topology import Topology
 
-    fm = Topology(world, world, group_size=1, shard_size=1).build(
-        timeout=timedelta(seconds=TIMEOUT_S), hierarchical=False)
+    fm = init_fed_mesh(Topology(world, world, group_size=1, shard_size=1),
+        timeout=timedelta(seconds=TIMEOUT_S), node_tiers=False)
     model = make_model(0, d=64)
     opt = make_opt(model.parameters(), "adamw", 1e-2)
     fed = FedAvg(model, fm, sync_every=2, overlap_steps=1, bucket_mb=0.01)
@@ -72,7 +73,7 @@ def _advances(rank: int, world: int) -> dict:
     from flcomm.federated.fedavg import FedAvg
     from flcomm.federated.topology import Topology
 
-    fm = Topology(world, world, group_size=1, shard_size=1).build(hierarchical=False)
+    fm = init_fed_mesh(Topology(world, world, group_size=1, shard_size=1), node_tiers=False)
     model = make_model(0, d=64)
     # int8 + EF in many buckets: every stage (encode, the all-gather of two ranks, decode,
     # outer update) of every bucket has to run for the job to complete
@@ -153,7 +154,7 @@ def _memory_worker(rank: int, world: int) -> dict:
     from flcomm.federated.fedavg import FedAvg
     from flcomm.federated.topology import Topology
 
-    fm = Topology(world, world, group_size=1, shard_size=1).build(hierarchical=False)
+    fm = init_fed_mesh(Topology(world, world, group_size=1, shard_size=1), node_tiers=False)
     stats = {}
     for name, kw in MEM_MODES.items():
         model = _mem_model()
@@ -325,7 +326,7 @@ LATE_CASES = {"first-exchange": ((1,), None), "two-late": ((2, 3), None), "late-
 def _late_cases(rank: int, world: int) -> dict[str, list[tuple[str, str]]]:
     from flcomm.federated.topology import Topology
 
-    fm = Topology(world, world, group_size=1, shard_size=1).build(hierarchical=False)
+    fm = init_fed_mesh(Topology(world, world, group_size=1, shard_size=1), node_tiers=False)
     return {name: _late_exchanges(fm, rank, late) for name, (late, _) in LATE_CASES.items()}
 
 

@@ -17,6 +17,7 @@ import threading
 import pytest
 import torch
 
+from flcomm.federated.mesh import init_fed_mesh
 from tests.common.dist import run_distributed
 from tests.common.fedavg_sim import batch, loss_fn, make_model, make_opt, simulate
 
@@ -87,7 +88,7 @@ def _run(rank: int, world: int, offload: str | None) -> dict:
     from flcomm.federated.fedavg import FedAvg
     from flcomm.federated.topology import Topology
 
-    fm = Topology(world, world, group_size=1, shard_size=1).build(hierarchical=False)
+    fm = init_fed_mesh(Topology(world, world, group_size=1, shard_size=1), node_tiers=False)
     model = make_model(0, d=D)
     opt = make_opt(model.parameters(), "sgd", LR)
     fed = FedAvg(model, fm, sync_every=E, fragments=K, overlap_steps=k, outer="nesterov",

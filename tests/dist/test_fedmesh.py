@@ -1,6 +1,7 @@
 """FedMesh on gloo: the groups of every mesh dimension and their link tiers on 8 ranks, and every
 DeviceMesh dim gives up after the configured timeout when a peer never joins."""
 
+from flcomm.federated.mesh import init_fed_mesh
 from flcomm.federated.strategy import Strategy
 from flcomm.federated.topology import Topology
 from tests.common.dist import run_distributed
@@ -10,13 +11,23 @@ def _build_mesh(rank, world):
     import torch
 
     topo = Strategy.FL_HSDP.topology(world, 2, group_size=4)
-    fm = topo.build("cpu")
+    fm = init_fed_mesh(topo, "cpu")
     out = {}
     for name in ("fed", "replicate", "shard", "group", "shard_intra", "shard_inter", "group_intra", "group_inter"):
         t = torch.tensor([float(rank)])
         fm.transport(name).all_reduce(t)
         out[name] = (t.item(), fm.group_ranks[name], fm.tier(name).value)
     out["mesh_fed"] = fm.device_mesh.get_group("fed") is fm.groups["fed"]
+    # observe: every transport the mesh hands out passes through it, by name; private ones do not
+    seen = []
+
+    class Wrapped:
+        def __init__(self, inner):
+            self.inner = inner
+
+    fm.observe = lambda t, name: seen.append(name) or Wrapped(t)
+    group, private = fm.transport("group"), fm.private_transport("observe_test", "group")
+    out["observed"] = (seen, isinstance(group, Wrapped), isinstance(private, Wrapped))
     return out
 
 
@@ -32,6 +43,7 @@ def test_fedmesh_groups_on_gloo():
         assert out["shard"][2] == "intra_node"
         assert out["group_inter"][2] == "inter_node"
         assert out["group_intra"][1] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert out["observed"] == (["group"], True, False), out["observed"]
 
 
 MESHES = {"fl-fsdp": Topology(4, 2, group_size=2), "fl-hsdp": Topology(4, 2, group_size=2, shard_size=1)}
@@ -44,7 +56,7 @@ def _frozen_peer(rank, world, timeout_s):
     import torch
     import torch.distributed as dist
 
-    meshes = {k: t.build("cpu", timeout=timedelta(seconds=timeout_s)) for k, t in MESHES.items()}
+    meshes = {k: init_fed_mesh(t, "cpu", timeout=timedelta(seconds=timeout_s)) for k, t in MESHES.items()}
     out = {}
     for k, fm in meshes.items():
         for dim in ("shard", "replicate", "fed"):

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flcomm.federated.mesh import init_fed_mesh
 from tests.common.dist import run_distributed
 
 NO_PARAM_GROUPS = "torch < 2.14: one parameter group per module"
@@ -129,7 +130,7 @@ def _fsdp2_runs(rank: int, world: int, local: int, with_compressed: bool, with_h
 
     out: dict = {}
     # FSDP over all ranks, hierarchical over the nodes
-    fm = Strategy.FSDP.topology(world, local).build(transport=transport)
+    fm = init_fed_mesh(Strategy.FSDP.topology(world, local), transport=transport)
     hier = fm.hierarchy("shard")
     out["transports"] = {type(hier.intra).__name__, type(hier.inter).__name__}
     shard_mesh = fm.device_mesh["shard"]
@@ -145,7 +146,7 @@ def _fsdp2_runs(rank: int, world: int, local: int, with_compressed: bool, with_h
     if not with_hsdp:
         return out
     # HSDP: native 2-D mesh vs the 1-D shard mesh plus the replicate all-reduce hook
-    hm = Strategy.HSDP.topology(world, local).build(transport=transport)
+    hm = init_fed_mesh(Strategy.HSDP.topology(world, local), transport=transport)
     out["transports"].add(type(hm.transport("replicate")).__name__)
     native = _fsdp2_model(hm.device_mesh["replicate", "shard"])
     with_hook = _fsdp2_model(hm.device_mesh["shard"], lambda m: apply_all_reduce_hook(m, hm.transport("replicate")))
@@ -250,7 +251,7 @@ def _fsdp1_runs(rank: int, world: int, local: int) -> dict:
 
     from flcomm.federated.strategy import Strategy
 
-    fm = Strategy.FSDP.topology(world, local).build()
+    fm = init_fed_mesh(Strategy.FSDP.topology(world, local))
     hier = fm.hierarchy("shard")
     out: dict = {}
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
@@ -261,7 +262,7 @@ def _fsdp1_runs(rank: int, world: int, local: int) -> dict:
         out[strategy.name] = _compare(ref, got)
     # refused: a hybrid strategy (FSDP1 has no comm hooks for it) and a group that is not the hierarchy
     errors = {}
-    hm = Strategy.HSDP.topology(world, local).build()
+    hm = init_fed_mesh(Strategy.HSDP.topology(world, local))
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     torch.manual_seed(0)
@@ -309,7 +310,7 @@ def _registration(rank: int, world: int) -> dict:
         apply_hierarchical_collectives,
     )
 
-    fm = Strategy.HSDP.topology(world, 2).build()  # shard = one node; "group" spans both nodes
+    fm = init_fed_mesh(Strategy.HSDP.topology(world, 2))  # shard = one node; "group" spans both nodes
     hier = fm.hierarchy("group")
     world_pg = fm.groups["group"]
     errors: dict[str, str | None] = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flcomm.federated.mesh import init_fed_mesh
 from tests.common.dist import run_distributed
 
 # ---------------------------------------------------------------- distributed (gloo)
@@ -45,7 +46,7 @@ def _check_collectives(rank: int, world: int, local: int, sizes: list[int], dtyp
     from flcomm.comm.base import LinkTier
     from flcomm.federated.topology import Topology
 
-    mesh = Topology(world, local).build()
+    mesh = init_fed_mesh(Topology(world, local))
     h = mesh.hierarchy("shard")
     assert (h.nodes, h.local, h.size, h.rank) == (world // local, local, world, rank)
     checked = 0

@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import pytest
 
+from flcomm.federated.mesh import init_fed_mesh
 from tests.common.dist import run_distributed
 
 TIMEOUT_S = 4.0
@@ -32,7 +33,7 @@ def _run(rank: int, world: int, S: int, fault: str) -> dict:
 
     fake_nccl.install()
     topo = Topology(world, world, group_size=2, shard_size=S)
-    mesh = topo.build(hierarchical=False, transport="native", timeout=timedelta(seconds=TIMEOUT_S))
+    mesh = init_fed_mesh(topo, node_tiers=False, transport="native", timeout=timedelta(seconds=TIMEOUT_S))
     model = make_model(0)
     opt = make_opt(model.parameters(), "adamw", 1e-2)
     fed = FedAvg(model, mesh, sync_every=E, codec="int8", error_feedback=True, replicated=True, bucket_mb=1.0)

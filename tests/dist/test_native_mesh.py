@@ -1,4 +1,4 @@
-"""flcomm's native path (``Topology.build(transport="native")``) on the CPU stand-in of its NCCL
+"""flcomm's native path (``init_fed_mesh(topology, transport="native")``) on the CPU stand-in of its NCCL
 library (tests/common/fake_nccl.py): every tier is a split of one root communicator, with the
 groups of the topology; FedAvg on it gives the bits of ``transport="torch"`` and matches the
 single-process simulation."""
@@ -6,6 +6,7 @@ single-process simulation."""
 import pytest
 import torch
 
+from flcomm.federated.mesh import init_fed_mesh
 from flcomm.federated.topology import Topology
 from tests.common.dist import run_distributed
 
@@ -21,7 +22,7 @@ def _tiers(rank, world):
     out = {}
     with fake_nccl.installed():
         for kind, topo in TOPOLOGIES.items():
-            fm = topo.build("cpu", transport="native")
+            fm = init_fed_mesh(topo, "cpu", transport="native")
             for name in TIERS:
                 t = fm.transport(name)
                 x = torch.tensor([float(rank)])
@@ -168,7 +169,7 @@ def _cta_policy(rank, world):
 
     out = {}
     with fake_nccl.installed():
-        fm = Topology(4, 2, group_size=2, shard_size=1).build("cpu", transport="native",
+        fm = init_fed_mesh(Topology(4, 2, group_size=2, shard_size=1), "cpu", transport="native",
                                                               exchange_cta_policy="efficiency")
         rep = fm.private_transport("replicate_exchange", "replicate")
         out["policies"] = {name: fm.transport(name).comm.cta_policy for name in ("fed", "shard", "replicate", "group")}
@@ -178,7 +179,7 @@ def _cta_policy(rank, world):
         for kw in ({"transport": "native", "exchange_cta_policy": "fastest"},
                    {"transport": "torch", "exchange_cta_policy": "zero"}):
             try:
-                Topology(4, 2, group_size=2).build("cpu", **kw)
+                init_fed_mesh(Topology(4, 2, group_size=2), "cpu", **kw)
                 out[kw["transport"]] = None
             except ValueError as e:
                 out[kw["transport"]] = str(e)

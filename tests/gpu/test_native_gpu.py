@@ -1,6 +1,6 @@
 """The native NCCL path on one GPU (skipped without one; see tests/conftest.py).
 
-* A one-rank native mesh, ``Strategy.FSDP.topology(1, 1).build("cuda", transport="native")``:
+* A one-rank native mesh, ``init_fed_mesh(Strategy.FSDP.topology(1, 1), "cuda", transport="native")``:
   its tiers are NcclTransports split from one root (the exchange's with the CTA cap), their
   collectives give torch's results, and the hierarchical and replicate hooks on one FSDP2 model
   give the gradients of ``transport="torch"`` and of plain FSDP2, bit for bit. NOTE: on one rank
@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from flcomm import _native
+from flcomm.federated.mesh import init_fed_mesh
 from tests.common.dist import run_distributed
 from tests.common.gpu_figures import figure
 
@@ -85,7 +86,7 @@ def _hook_calls_on_cpu(rank: int, world: int) -> dict:
     GPU; the replicate hook's calls against the param groups."""
     from flcomm.federated.strategy import Strategy
 
-    fm = Strategy.FSDP.topology(1, 1).build("cpu")
+    fm = init_fed_mesh(Strategy.FSDP.topology(1, 1), "cpu")
     fm.stats.reset()
     _, groups = _grads(fm, hooks=True, device="cpu")
     calls = sum(s["calls"] for s in fm.stats.snapshot().values())
@@ -108,7 +109,7 @@ def _one_rank_native_mesh(rank: int, world: int) -> dict:
     from flcomm.federated.strategy import Strategy
 
     torch.cuda.set_device(0)
-    meshes = {t: Strategy.FSDP.topology(1, 1).build("cuda", transport=t) for t in ("torch", "native")}
+    meshes = {t: init_fed_mesh(Strategy.FSDP.topology(1, 1), "cuda", transport=t) for t in ("torch", "native")}
     native = meshes["native"]
     out: dict = {"cap": EXCHANGE_MAX_CTAS, "tiers": {}, "collectives_differ": []}
     for name in TIERS:

@@ -16,7 +16,7 @@ in order of value within the cap:
   2. a dead peer: rank 1 freezes (SIGSTOP) while rank 0 issues an all_reduce with a stream-ordered
      wait; within 2x the timeout the watchdog has set rank 0's ``failure``, aborted the
      communicator (``is_aborted``), and ``raise_if_failed`` raises its CommFailure;
-  3. a 2-rank FedAvg sync (2 groups of 1), int8 + error feedback, on ``Topology.build("cuda",
+  3. a 2-rank FedAvg sync (2 groups of 1), int8 + error feedback, on ``init_fed_mesh(topology, "cuda",
      transport="native")`` against the same sync on ``transport="torch"`` over gloo on the CPU:
      the same bits (the kernels are the CPU's bit for bit), lossy against the exact average;
   4. the replicate all-reduce hook (flcomm/fsdp/fsdp2.py), called as FSDP2 calls it, on a 2-rank
@@ -40,6 +40,7 @@ import pytest
 import torch
 
 from flcomm import _native
+from flcomm.federated.mesh import init_fed_mesh
 from tests.common.dist import run_distributed
 
 TIMEOUT_S = 15.0  # init, split and every blocking wait of parts 1, 3 and 4 (an init that hangs is a
@@ -247,7 +248,7 @@ def _fedavg_native_and_gloo(rank: int, world: int, stand_in: bool) -> dict:
     out: dict = {"refused": None}
     for transport, dev in (("torch", "cpu"), ("native", device)):
         try:
-            fm = topo.build(dev, hierarchical=False, transport=transport, timeout=timedelta(seconds=TIMEOUT_S))
+            fm = init_fed_mesh(topo, dev, node_tiers=False, transport=transport, timeout=timedelta(seconds=TIMEOUT_S))
         except Exception as e:  # noqa: BLE001 - NCCL's refusal of the setup is the result
             if transport == "torch":
                 raise

@@ -18,6 +18,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from flcomm.federated.mesh import init_fed_mesh
 from tests.common.dist import run_distributed
 from tests.common.fedavg_sim import averaged_names, batch, loss_fn, make_model, make_opt, simulate
 
@@ -52,9 +53,8 @@ def _train_elastic_on(rank: int, world: int, E: int, T: int, kill: tuple[int, in
 
     timeout = timedelta(seconds=30)
     topo = Topology(world, ranks_per_node=G, group_size=G, shard_size=S)
-    mesh = topo.build(timeout=timeout, group_rank=rank, transport=transport)
-    federation = Federation(tdist.STORE, topo, rank, backend="native" if transport == "native" else "gloo",
-                            timeout=timeout, grace_s=GRACE_S, stats=mesh.stats)
+    mesh = init_fed_mesh(topo, timeout=timeout, group_rank=rank, transport=transport)
+    federation = Federation(tdist.STORE, topo, rank, mesh.config, grace_s=GRACE_S, stats=mesh.stats)
     f = rank // G
     model = make_model(0)
     opt = make_opt(model.parameters(), "adamw", 1e-2)

@@ -134,8 +134,8 @@ def test_circles_are_found():
 # NOTE: the circles through any import (function-level and type-only included) that stand today,
 # each with why; a new one fails the test below, and a known one that goes must leave this list
 KNOWN_CIRCLES = {
-    # Topology.build (a function-level import) builds the FedMesh, whose type names Topology;
-    # goes with a mesh builder of the mesh's own (flcomm.init_fed_mesh, issue 42)
+    # the deprecated alias Topology.build (its one function-level import of the runtime half)
+    # calls flcomm.init_fed_mesh, whose FedMesh names Topology; goes with the alias, one release on
     ("flcomm.federated.mesh", "flcomm.federated.topology"),
 }
 

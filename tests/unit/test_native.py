@@ -268,7 +268,7 @@ def test_transport_maps_calls_and_counts_bytes():
 
 
 def test_info_names_the_transports(capsys):
-    """``python -m flcomm info`` says which transports ``Topology.build(transport=...)`` can use
+    """``python -m flcomm info`` says which transports ``init_fed_mesh(topology, transport=...)`` can use
     here: torch always; native when flcomm has NCCL and a GPU is visible, else why not."""
     import json
 

@@ -96,11 +96,11 @@ def test_a_generation_is_aborted_before_the_next_is_built(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
 def test_only_the_exchange_groups_get_the_cap_on_nccl(monkeypatch, backend):
-    from flcomm.federated.mesh import EXCHANGE_GROUPS, FedMesh
+    from flcomm.federated.mesh import EXCHANGE_GROUPS, FedMesh, MeshConfig
 
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     mesh = object.__new__(FedMesh)  # NOTE: only the options' choice, no process groups
-    mesh.timeout, mesh.exchange_max_ctas = timedelta(seconds=5), 2
+    mesh.config = MeshConfig(timeout=timedelta(seconds=5), exchange_max_ctas=2)
     # NOTE: the rule, written out: every group a FedAvg job uses from the engine thread (beside
     # FSDP's collectives) is capped, and no group FSDP or the trainer uses is
     engine_groups = {"fed", "replicate_exchange", "flags_agree"}
@@ -111,5 +111,5 @@ def test_only_the_exchange_groups_get_the_cap_on_nccl(monkeypatch, backend):
             assert opts.config.max_ctas == 2 and opts._timeout == timedelta(seconds=5), name
         else:
             assert opts is None, name
-    mesh.exchange_max_ctas = None
+    mesh.config = MeshConfig(timeout=timedelta(seconds=5), exchange_max_ctas=None)
     assert mesh._pg_options("fed") is None
