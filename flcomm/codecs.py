@@ -21,7 +21,8 @@ from torch import Tensor
 
 from flcomm import kernels, sparse
 
-__all__ = ["CODECS", "DENSE_CODECS", "Codec", "KernelCodec", "NoneCodec", "TopKCodec", "get_codec", "register_codec"]
+__all__ = ["CODECS", "DENSE_CODECS", "Codec", "KernelCodec", "NoneCodec", "TopKCodec", "check_replicate_codec",
+           "get_codec", "register_codec"]
 
 
 class Codec(ABC):
@@ -352,3 +353,24 @@ class TopKCodec(Codec):
 #: the registered dense codecs (all but the sparse ones; an all-reduce reduces them in two hops, or
 #: all-gathers them on two ranks): the choices of the replicas' gradient all-reduce
 DENSE_CODECS: tuple[str, ...] = tuple(n for n in CODECS if not _REGISTRY[n].sparse)
+
+
+def check_replicate_codec(name: Any, error_feedback: bool = False, *, hybrid: bool = True, strategy: str = "") -> str:
+    """The codec of the replicas' gradient all-reduce (HSDP / FL+HSDP's replicate dim, through
+    :class:`~flcomm.fsdp.fsdp2.ReplicateAllReduceHook`), checked once for the trainer and the
+    cost model: a dense codec (a sparse one keeps no gradient average), only with a replicate dim
+    (``hybrid``; ``strategy`` names the strategy in the error), and error feedback only with a
+    lossy codec. Returns the codec's name; ValueError naming what was expected otherwise."""
+    dense = ", ".join(c for c in DENSE_CODECS if c != "none")
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key not in DENSE_CODECS:
+        raise ValueError(f"unknown replicate codec {name!r}; expected one of {', '.join(DENSE_CODECS)} (a dense "
+                         "codec: the replicas all-reduce their gradients)")
+    if key != "none" and not hybrid:
+        raise ValueError(f"replicate codec {key!r} compresses the all-reduce over the replicate dim, which strategy "
+                         f"{strategy} does not have; expected strategy hsdp or fl-hsdp (R = G / S > 1 replicas), "
+                         f"got {strategy}")
+    if error_feedback and key == "none":
+        raise ValueError("replicate error feedback keeps what the replicate codec dropped; expected a replicate codec "
+                         f"one of {dense}, got none")
+    return key

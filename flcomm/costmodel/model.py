@@ -67,7 +67,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from flcomm.codecs import DENSE_CODECS, get_codec
+from flcomm.codecs import check_replicate_codec, get_codec
 from flcomm.comm.base import LinkTier, bus_factor, wire_bytes
 from flcomm.federated.autotune import steps_to_hide
 from flcomm.federated.config import AUTO, FedAvgConfig
@@ -231,14 +231,8 @@ class Plan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", Strategy.parse(self.strategy))
-        rc = get_codec(self.replicate_codec)
-        if rc.sparse:
-            raise ValueError(f"replicate_codec {self.replicate_codec!r} is sparse; the replicas' gradient all-reduce "
-                             f"takes a dense codec ({', '.join(c for c in DENSE_CODECS if c != 'none')})")
-        object.__setattr__(self, "replicate_codec", rc.name)
-        if self.replicate_codec != "none" and not self.strategy.hybrid:
-            raise ValueError(f"replicate_codec {self.replicate_codec!r} compresses the all-reduce over the replicas; "
-                             f"expected strategy hsdp or fl-hsdp, got {self.strategy.value}")
+        object.__setattr__(self, "replicate_codec", check_replicate_codec(
+            self.replicate_codec, hybrid=self.strategy.hybrid, strategy=self.strategy.value))
         if not isinstance(self.fedavg, FedAvgConfig):
             raise TypeError(f"fedavg must be a FedAvgConfig, got {type(self.fedavg).__name__}")
         for name in ("group_size", "shard_size"):

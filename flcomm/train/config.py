@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
-from flcomm.codecs import DENSE_CODECS
+from flcomm.codecs import DENSE_CODECS, check_replicate_codec
 from flcomm.federated.config import FedAvgConfig, add_field_arguments
 from flcomm.federated.mesh import MeshConfig, TransportKind
 from flcomm.federated.strategy import Strategy
@@ -133,8 +133,10 @@ class TrainConfig:
         one_of("backend", ("auto", "gloo", "nccl"))
         one_of("nan_policy", NAN_POLICIES)
         one_of("transport", tuple(TransportKind.values()))
-        one_of("replicate_codec", DENSE_CODECS, "replicate codec")
-        self._check_replicate()
+        # NOTE: a replicate codec needs a replicate dim (R = G / S > 1: hsdp, fl-hsdp; Strategy.topology
+        # refuses one replica for them); error feedback needs a lossy codec
+        object.__setattr__(self, "replicate_codec", check_replicate_codec(
+            self.replicate_codec, self.replicate_error_feedback, hybrid=self.hybrid, strategy=self.strategy.value))
         for name in ("steps", "batch_size", "seq_len", "eval_batches"):
             integer(name, getattr(self, name), 1)
         for name in ("eval_every", "save_every", "keep_checkpoints"):
@@ -163,17 +165,6 @@ class TrainConfig:
             raise ValueError(f"fedavg must be a FedAvgConfig, got {type(self.fedavg).__name__}")
         if self.elastic:
             self.fedavg.check_elastic()
-
-    def _check_replicate(self) -> None:
-        """A replicate codec needs a replicate dim (R = G / S > 1: hsdp, fl-hsdp; Strategy.topology
-        refuses one replica for them); error feedback needs a lossy codec."""
-        if self.replicate_codec != "none" and not self.hybrid:
-            raise ValueError(f"--replicate-codec {self.replicate_codec} compresses the all-reduce over the replicate "
-                             f"dim, which strategy {self.strategy.value} does not have; expected strategy hsdp or "
-                             f"fl-hsdp (R = G / S > 1 replicas), got {self.strategy.value}")
-        if self.replicate_error_feedback and self.replicate_codec == "none":
-            raise ValueError("--replicate-error-feedback keeps what the replicate codec dropped; expected "
-                             f"--replicate-codec one of {', '.join(c for c in DENSE_CODECS if c != 'none')}, got none")
 
     @property
     def federated(self) -> bool:

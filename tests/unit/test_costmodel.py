@@ -165,7 +165,7 @@ def test_a_sparse_codec_all_gathers_the_groups_encodings():
                                      fedavg=FedAvgConfig(sync_every=2, codec=spec)))
     gather = AE + 2 * 0.5 * (2 * 2 * half) / BE  # NOTE: R = 2 replicas, each with F = 2 encodings
     assert hs.fed_comm_s == pytest.approx(AE + 2 * 0.5 * (2 * half) / BE + gather, rel=1e-12)
-    with pytest.raises(ValueError, match="sparse; the replicas' gradient all-reduce takes a dense codec"):
+    with pytest.raises(ValueError, match=r"unknown replicate codec .*\(a dense codec: the replicas all-reduce"):
         Plan("hsdp", replicate_codec=spec)
 
 
@@ -678,11 +678,14 @@ def test_replicate_codec_sends_its_bytes_over_the_replicas(strategy: str, G: int
 
 
 @pytest.mark.parametrize("make, match", [
-    (lambda: Plan("fsdp", replicate_codec="int8"), r"expected strategy hsdp or fl-hsdp, got fsdp"),
-    (lambda: Plan("fl-fsdp", replicate_codec="fp8"), r"expected strategy hsdp or fl-hsdp, got fl-fsdp"),
-    (lambda: Plan("hsdp", replicate_codec="int4"), r"unknown codec 'int4'; known codecs: none, bf16"),
+    (lambda: Plan("fsdp", replicate_codec="int8"),
+     r"expected strategy hsdp or fl-hsdp \(R = G / S > 1 replicas\), got fsdp"),
+    (lambda: Plan("fl-fsdp", replicate_codec="fp8"), r"expected strategy hsdp or fl-hsdp .*, got fl-fsdp"),
+    (lambda: Plan("hsdp", replicate_codec="int4"), r"unknown replicate codec 'int4'; expected one of none, bf16"),
+    (lambda: Plan("hsdp", replicate_codec="topk"), r"unknown replicate codec 'topk'.*\(a dense codec"),
 ])
 def test_replicate_codec_without_replicas_or_unknown_is_refused(make, match):
+    """The trainer's check (flcomm.codecs.check_replicate_codec): the same words for a plan."""
     with pytest.raises(ValueError, match=match):
         make()
 

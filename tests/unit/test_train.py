@@ -260,8 +260,10 @@ def test_replicate_and_transport_flags_round_trip():
      "expected strategy hsdp or fl-hsdp \\(R = G / S > 1 replicas\\), got fl-fsdp"),
     (["--strategy", "hsdp", "--replicate-codec", "int4"],
      "unknown replicate codec 'int4'; expected one of none, bf16, fp16, int8, fp8"),
+    (["--strategy", "hsdp", "--replicate-codec", "topk"], "unknown replicate codec 'topk'; expected one of none, "
+     "bf16, fp16, int8, fp8 \\(a dense codec"),
     (["--strategy", "hsdp", "--replicate-error-feedback"],
-     "--replicate-error-feedback keeps what the replicate codec dropped; expected --replicate-codec one of "
+     "replicate error feedback keeps what the replicate codec dropped; expected a replicate codec one of "
      "bf16, fp16, int8, fp8, got none"),
     (["--strategy", "hsdp", "--shard-size", "2", "--replicate-codec", "int8"], "needs at least two replicas"),
     (["--transport", "mpi"], "unknown transport 'mpi'; expected one of torch, native"),
