@@ -106,7 +106,7 @@ def _rank(rank: int, world: int, port: int, a: argparse.Namespace, q: Any) -> No
         model = nn.Sequential(*[nn.Linear(a.width, a.width, bias=False) for _ in range(a.layers)])
         gc.collect()
         before = live_storage_bytes()
-        fed = FedAvg(model, mesh, sync_every=kw.get("fragments", 1), bucket_mb=a.bucket_mb, **kw)
+        fed = FedAvg(model, mesh, sync_every=kw.get("fragments", 1), bucket_cap_mb=a.bucket_mb, **kw)
         for _ in range(2 * kw.get("fragments", 1)):  # two syncs of every fragment
             _train_step(model)
             fed.step()
@@ -135,7 +135,7 @@ def _sync_times(mesh: Any, a: argparse.Namespace) -> dict[str, Any]:
     for name, kw in SYNC_MODES.items():
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(a.width, a.width, bias=False) for _ in range(a.layers)])
-        feds[name] = (model, FedAvg(model, mesh, sync_every=1, bucket_mb=a.bucket_mb, **kw))
+        feds[name] = (model, FedAvg(model, mesh, sync_every=1, bucket_cap_mb=a.bucket_mb, **kw))
     times: dict[str, list[float]] = {n: [] for n in feds}
     for it in range(a.sync_iters + 1):
         for name, (model, fed) in feds.items():

@@ -76,7 +76,7 @@ def _build(a: argparse.Namespace, mesh: Any, codec: str, overlap: bool) -> tuple
     shard_model(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fed = FedAvg(model, mesh, sync_every=a.sync_every, codec=codec, error_feedback=codec != "none",
-                 overlap_steps=a.overlap_steps if overlap else 0, bucket_mb=a.bucket_mb, fragments=a.fragments)
+                 overlap_steps=a.overlap_steps if overlap else 0, bucket_cap_mb=a.bucket_mb, fragments=a.fragments)
     g = torch.Generator().manual_seed(a.seed * 1000 + mesh.rank)
     vocab = model.cfg.vocab_size if hasattr(model, "cfg") else 256
     return model, opt, fed, lambda: torch.randint(0, vocab, (a.batch_size, a.seq_len + 1), generator=g)

@@ -237,7 +237,7 @@ def _synchronizer(a: argparse.Namespace, env: Env, model: Any, inner: Any, mesh:
                                   error_feedback=row == "fl-int8", outer="avg" if row == "fl-avg" else "nesterov",
                                   outer_lr=OUTER_LR,
                                   outer_momentum=OUTER_MOMENTUM, overlap_steps=over,
-                                  fragments=2 if row == "fl-frag" else 1, bucket_mb=a.bucket_mb)
+                                  fragments=2 if row == "fl-frag" else 1, bucket_cap_mb=a.bucket_mb)
         return flcomm.FedAvg(model, mesh, cfg), None, None
     return None, None, None
 

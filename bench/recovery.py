@@ -49,24 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.tft_common import (  # noqa: E402
-    OUTER_LR,
-    OUTER_MOMENTUM,
-    Env,
-    build_data,
-    build_model_sharded,
-    end_rank,
-    free_port,
-    init_group_world,
-    lighthouse_code,
-    local_shard,
-    reap,
-    serve,
-    start_rank,
-    tft_diloco,
-    tft_manager,
-    train_step,
-)
+from bench import tft_common as tc  # noqa: E402
 
 LIBS = ("tft", "fl")
 GRACE_S = 5.0  # flcomm's grace = torchft's lighthouse heartbeat timeout (its default)
@@ -76,7 +59,7 @@ RESTART_PORT_STRIDE = 100  # torchft: a restarted group's store port is base + n
 # ---------------------------------------------------------------- one rank ----
 
 def _digest(model: Any) -> str:
-    return hashlib.sha1(local_shard(model).numpy().tobytes()).hexdigest()
+    return hashlib.sha1(tc.local_shard(model).numpy().tobytes()).hexdigest()
 
 
 class RankRecords:
@@ -95,20 +78,20 @@ class RankRecords:
         self._file.close()
 
 
-def _tft_rank(a: argparse.Namespace, env: Env, timeout: timedelta) -> tuple[Any, Any, Any, Any]:
+def _tft_rank(a: argparse.Namespace, env: tc.Env, timeout: timedelta) -> tuple[Any, Any, Any, Any]:
     """torchft's side of a rank: its group's world and store on a port of its incarnation, the
     model, a Manager that lets the survivors go on alone (``min_replica_size=1``) and DiLoCo:
     (model, inner, diloco, manager)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     port = a.store_port + env.node + RESTART_PORT_STRIDE * a.restart
-    init_group_world(env, port, timeout)
-    model, inner = build_model_sharded(a, init_device_mesh("cpu", (env.per_node,), mesh_dim_names=("shard",)))
-    manager = tft_manager(a, env, model, inner, 1, port)
-    return model, inner, tft_diloco(a, manager, [model], inner), manager
+    tc.init_group_world(env, port, timeout)
+    model, inner = tc.build_model_sharded(a, init_device_mesh("cpu", (env.per_node,), mesh_dim_names=("shard",)))
+    manager = tc.tft_manager(a, env, model, inner, 1, port)
+    return model, inner, tc.tft_diloco(a, manager, [model], inner), manager
 
 
-def _fl_rank(a: argparse.Namespace, env: Env, store: Any, timeout: timedelta) -> tuple[Any, Any, Any]:
+def _fl_rank(a: argparse.Namespace, env: tc.Env, store: Any, timeout: timedelta) -> tuple[Any, Any, Any]:
     """flcomm's side of a rank: its group's world under its incarnation's prefix in the job's
     store, the model and FedAvg in an elastic federation (a restarted group in ``rejoin_mode``):
     (model, inner, fed)."""
@@ -123,13 +106,13 @@ def _fl_rank(a: argparse.Namespace, env: Env, store: Any, timeout: timedelta) ->
                             rank=env.local, world_size=env.per_node, timeout=timeout)
     topo = flcomm.Strategy.FL_FSDP.topology(env.world, ranks_per_node=env.per_node, group_size=env.per_node)
     mesh = flcomm.init_fed_mesh(topo, "cpu", timeout=timeout, group_rank=env.rank)
-    model, inner = build_model_sharded(a, mesh.device_mesh["shard"])
+    model, inner = tc.build_model_sharded(a, mesh.device_mesh["shard"])
     federation = Federation(store, topo, env.rank, mesh.config, grace_s=a.grace, stats=mesh.stats,
                             rejoin_mode=restarted)
-    cfg = flcomm.FedAvgConfig(sync_every=a.sync_every, outer="nesterov", outer_lr=OUTER_LR,
-                              outer_momentum=OUTER_MOMENTUM, bucket_mb=a.bucket_mb)
-    return model, inner, flcomm.FedAvg(model, mesh, cfg, optimizer=inner, federation=federation,
-                                       sync_init=not restarted)
+    cfg = flcomm.FedAvgConfig(sync_every=a.sync_every, outer="nesterov", outer_lr=tc.OUTER_LR,
+                              outer_momentum=tc.OUTER_MOMENTUM, bucket_cap_mb=a.bucket_mb)
+    return model, inner, flcomm.FedAvg(model, mesh, cfg, inner_optimizer=inner, federation=federation,
+                                       sync_module_states=not restarted)
 
 
 def _start_together(store: Any, world: int) -> None:
@@ -142,7 +125,7 @@ def _start_together(store: Any, world: int) -> None:
         time.sleep(0.05)
 
 
-def _train(a: argparse.Namespace, env: Env, model: Any, inner: Any, fed: Any, diloco: Any, manager: Any,
+def _train(a: argparse.Namespace, env: tc.Env, model: Any, inner: Any, fed: Any, diloco: Any, manager: Any,
            loader: Any, record: RankRecords) -> tuple[int, int]:
     """The steps to ``a.steps`` (from the admitted step for a rejoining flcomm group), a record
     per step, and the kill of ``a.kill_rank`` after its ``a.kill_step``-th iteration in the first
@@ -155,7 +138,7 @@ def _train(a: argparse.Namespace, env: Env, model: Any, inner: Any, fed: Any, di
     loader.position = step * a.batch_size
     while step < a.steps:
         t_step = time.perf_counter()
-        loss = train_step(model, inner, fed, loader)
+        loss = tc.train_step(model, inner, fed, loader)
         it += 1
         step += 1
         if not restarted:  # NOTE: a floor under the first incarnation's steps only (run_once)
@@ -180,7 +163,7 @@ def worker(a: argparse.Namespace) -> int:
     barrier of the first incarnation, the steps, the records."""
     import torch.distributed as dist
 
-    env = start_rank()
+    env = tc.start_rank()
     restarted, timeout = a.restart > 0, timedelta(seconds=a.timeout)
     record = RankRecords(a.out, env.rank, a.restart)
     record(event="start")
@@ -190,7 +173,7 @@ def worker(a: argparse.Namespace) -> int:
         model, inner, diloco, manager = _tft_rank(a, env, timeout)
     else:
         model, inner, fed = _fl_rank(a, env, store, timeout)
-    loader, _ = build_data(a, env)
+    loader, _ = tc.build_data(a, env)
     if not restarted:
         _start_together(store, env.world)
     step, it = _train(a, env, model, inner, fed, diloco, manager, loader, record)
@@ -198,7 +181,7 @@ def worker(a: argparse.Namespace) -> int:
         fed.finish()
     record(event="end", step=step, iter=it)
     record.close()
-    return end_rank(diloco, manager)
+    return tc.end_rank(diloco, manager)
 
 
 # ---------------------------------------------------------------- the supervisor ----
@@ -230,7 +213,7 @@ def supervise(c: Any, argv: list[str], ranks_per_node: int, env: dict[str, str],
                 g = r // ranks_per_node
                 if p.poll() not in (None, 0) and g == kill_group and not restarted:
                     mates = range(g * ranks_per_node, (g + 1) * ranks_per_node)
-                    reap([procs[q] for q in mates])
+                    tc.reap([procs[q] for q in mates])
                     for q in mates:
                         procs[q] = start(q, 1)
                     restarted = True
@@ -239,7 +222,7 @@ def supervise(c: Any, argv: list[str], ranks_per_node: int, env: dict[str, str],
                     raise RuntimeError(f"rank {r} failed (exit code {p.returncode}); its log: {log_dir}")
             time.sleep(0.05)
     finally:
-        reap(procs, files)
+        tc.reap(procs, files)
     return [p.returncode for p in procs]
 
 
@@ -255,12 +238,12 @@ def run_once(c: Any, a: argparse.Namespace, lib: str, E: int, out: str, kill: bo
     incarnation: the survivors then still train when a restarted group that came up slowly
     reaches its first sync, instead of having finished without it."""
     local, nodes = not hasattr(c, "spec"), _nodes(c)
-    ports = {k: free_port() if local else d for k, d in (("store", 29710), ("lighthouse", 29750), ("job", 29760))}
+    ports = {k: tc.free_port() if local else d for k, d in (("store", 29710), ("lighthouse", 29750), ("job", 29760))}
     os.makedirs(out, exist_ok=True)
     # the job's store (flcomm's elastic federation; both libraries' start barrier) and, for
     # torchft, the lighthouse, in node 0
-    lighthouse = lighthouse_code(ports["lighthouse"], 1) if lib == "tft" else ""
-    server = serve(c, 0, f"import time, datetime, torch.distributed as d; {lighthouse}"
+    lighthouse = tc.lighthouse_code(ports["lighthouse"], 1) if lib == "tft" else ""
+    server = tc.serve(c, 0, f"import time, datetime, torch.distributed as d; {lighthouse}"
                           f"s = d.TCPStore('{c.addr(0)}', {ports['job']}, None, True, "
                           "timeout=datetime.timedelta(seconds=600), wait_for_workers=False); "
                           "print('up', flush=True); time.sleep(1e9)", os.path.join(out, "server.log"))
@@ -279,7 +262,7 @@ def run_once(c: Any, a: argparse.Namespace, lib: str, E: int, out: str, kill: bo
         time.sleep(1.0)  # NOTE: the lighthouse or store is up before a rank dials it
         supervise(c, argv, a.ranks_per_node, env, os.path.join(out, "logs"), a.timeout * 2, 1 if kill else None)
     finally:
-        reap([server])
+        tc.reap([server])
     meta = {"lib": lib, "sync_every": E, "kill": kill, "kill_rank": kill_rank, "kill_step": kill_step(a, E),
             "steps": a.steps, "ranks_per_node": a.ranks_per_node, "nodes": nodes, "wall_s": time.perf_counter() - t0}
     with open(os.path.join(out, "run.json"), "w") as f:

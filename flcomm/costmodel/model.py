@@ -430,7 +430,7 @@ def memory_per_rank(workload: Workload, plan: Plan, shard_size: int) -> dict[str
     N, S = workload.params, shard_size
     fed = 0.0
     if plan.strategy.federated:
-        fed = fedavg_shard_copies(plan) * 4 * N / S + 2 * plan.fedavg.bucket_mb * 2**20
+        fed = fedavg_shard_copies(plan) * 4 * N / S + 2 * plan.fedavg.bucket_cap_mb * 2**20
     return {"state": workload.state_bytes_per_param * N / S,
             "unsharded": N / workload.fsdp_units * (2 * workload.param_bytes + workload.grad_bytes),
             "fedavg": fed, "activations": workload.activation_bytes}

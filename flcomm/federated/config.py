@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import types
 import typing
+import warnings
 from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -34,13 +35,14 @@ from flcomm.kernels import BLOCKED_FORMATS
 from flcomm.validate import integer, number
 
 __all__ = ["AUTO", "RESIDUAL_DTYPES", "FedAvgConfig", "add_field_arguments", "check_inputs", "must_match_on_resume",
-           "one_device", "parse_overlap_steps"]
+           "one_device", "parse_overlap_steps", "renamed"]
 
 RESIDUAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 AUTO = "auto"  # overlap_steps: FedAvg picks k from the first exchanges (flcomm.federated.autotune)
 
 
 _UNSET = object()
+RENAMED = {"bucket_mb": "bucket_cap_mb"}  # FedAvgConfig's deprecated setting names (FedAvgConfig.make)
 
 
 def parse_overlap_steps(text: str) -> int | str:
@@ -158,7 +160,8 @@ class FedAvgConfig:
                                                                     "--overlap-steps auto"}})
     fragments: int = _setting(1, "K, dividing E: sync 1/K of the shard every E/K steps", "Streaming DiLoCo",
                               resume=1)
-    bucket_mb: float = _setting(25.0, "bucket size of the exchange, in MiB")
+    bucket_cap_mb: float = _setting(25.0, "bucket size of the exchange, in MiB (DDP's name; bucket_mb before)",
+                                    also={"--bucket-mb": {"type": float, "help": argparse.SUPPRESS}})
     offload: str | None = _setting(None, "'cpu': keep the anchor, own copy, momentum and residuals in host "
                                          "memory (page-locked on CUDA)")
     residual_dtype: str = _setting("fp32", f"dtype of the error-feedback residuals: {', '.join(RESIDUAL_DTYPES)}")
@@ -205,7 +208,7 @@ class FedAvgConfig:
                     self.sync_every, also=f" (at most sync_every) or {AUTO!r}")
         if self.fragments > 1 and self.inner_state != InnerState.KEEP.value:
             raise ValueError(f"inner_state={self.inner_state!r} is not supported with fragments > 1 (only 'keep')")
-        number("bucket_mb", self.bucket_mb, 0, lo_open=True)
+        number("bucket_cap_mb", self.bucket_cap_mb, 0, lo_open=True)
         if self.offload not in (None, "cpu"):
             raise ValueError(f"offload must be None or 'cpu', got {self.offload!r}")
         if self.residual_dtype not in RESIDUAL_DTYPES:
@@ -265,6 +268,7 @@ class FedAvgConfig:
         """The config a :meth:`to_dict` record describes (derived entries are ignored); ValueError
         naming unknown keys."""
         names = {f.name for f in fields(cls)}
+        d = {RENAMED.get(k, k): v for k, v in d.items()}  # NOTE: a record made before a rename
         unknown = sorted(set(d) - names - {"in_place"})
         if unknown:
             raise ValueError(f"unknown FedAvg settings {unknown}; known: {', '.join(sorted(names))}")
@@ -275,6 +279,9 @@ class FedAvgConfig:
         """``config`` with ``settings`` replaced (a new default config when None); TypeError naming
         an unknown setting."""
         names = [f.name for f in fields(cls)]
+        for old, new in RENAMED.items():
+            if old in settings:
+                settings[new] = renamed(settings, old, new, settings.get(new, _UNSET), _UNSET)
         unknown = sorted(set(settings) - set(names))
         if unknown:
             hint = " (overlap is overlap_steps: 0, k >= 1 or 'auto')" if "overlap" in unknown else ""
@@ -302,6 +309,17 @@ class FedAvgConfig:
     def from_args(cls, args: argparse.Namespace) -> FedAvgConfig:
         """The config of the flags :meth:`add_arguments` made."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def renamed(settings: dict[str, Any], old: str, new: str, value: Any, default: Any, owner: str = "FedAvg") -> Any:
+    """``settings.pop(old)`` with a DeprecationWarning when given (``owner``'s keyword ``old`` is
+    ``new`` now, as PyTorch names it), else ``value``; TypeError when both are."""
+    if old not in settings:
+        return value
+    if value is not default:
+        raise TypeError(f"{owner} got both {new}= and its deprecated name {old}=")
+    warnings.warn(f"{owner}({old}=) is deprecated: use {new}=", DeprecationWarning, stacklevel=3)
+    return settings.pop(old)
 
 
 def check_inputs(mesh: Any, optimizer: Any, inner_state: InnerState) -> None:

@@ -122,7 +122,7 @@ class DeltaExchange:
         transport: the fed group.
         tensors: the local shards (their shapes and dtypes define the layout).
         config: the settings (:class:`~flcomm.federated.config.FedAvgConfig`): its codec,
-            ``bucket_mb``, ``error_feedback``, ``offload`` (the anchors, own copies, momentum and
+            ``bucket_cap_mb``, ``error_feedback``, ``offload`` (the anchors, own copies, momentum and
             residuals live in host memory and are staged through the device, module docstring;
             nothing to offload in place) and ``residual_dtype``.
         buffers: the :class:`ExchangeBuffers`; no anchors is the paper's mode (buckets in the
@@ -147,7 +147,7 @@ class DeltaExchange:
         self.anchors, self.own, self.outer = buffers.anchors, buffers.own, buffers.outer
         self.momentum_index = buffers.momentum_index or [None] * len(tensors)
         self.apply_scratch = apply_scratch
-        self.bar = SlicedAllReduce(transport, tensors, codec=self.codec, bucket_mb=config.bucket_mb,
+        self.bar = SlicedAllReduce(transport, tensors, codec=self.codec, bucket_mb=config.bucket_cap_mb,
                                    error_feedback=config.error_feedback, op="avg", keep_dtype=in_place,
                                    offload=self.offload, residual_dtype=config.residual_torch_dtype, staging=staging,
                                    replicate=replicate)

@@ -85,7 +85,7 @@ from torch import nn
 from flcomm.collectives.staging import StagingPool, arena, bucket_dtype, span
 from flcomm.comm.engine import Job, get_engine
 from flcomm.federated.autotune import AutoOverlap
-from flcomm.federated.config import AUTO, FedAvgConfig, check_inputs, one_device
+from flcomm.federated.config import AUTO, FedAvgConfig, check_inputs, one_device, renamed
 from flcomm.federated.exchange import DeltaExchange, ExchangeBuffers, ExchangeResult
 from flcomm.federated.exposure import ExposedTime, cuda_event
 from flcomm.federated.fragment import LATE_EXCHANGES, Fragment, Links, memory_stats
@@ -104,6 +104,7 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 
+
 class FedAvg:
     """Periodic averaging of the local shards across federation groups.
 
@@ -116,8 +117,9 @@ class FedAvg:
         config: the settings, a :class:`~flcomm.federated.config.FedAvgConfig` (its fields say
             what each one does); keyword ``settings`` replace fields of it (or of the default
             config): ``FedAvg(model, mesh, sync_every=8, codec="int8", overlap_steps="auto")``.
-        optimizer: the inner optimizer (needed by ``inner_state`` average / reset). :meth:`step`
-            must follow ``optimizer.step()``, checked with or without it (:class:`StepOrder`).
+        inner_optimizer: the inner optimizer (needed by ``inner_state`` average / reset; its
+            deprecated name is ``optimizer``). :meth:`step` must follow ``optimizer.step()``,
+            checked with or without it (:class:`StepOrder`).
         replicated: plain (not FSDP) parameters in a group of more than one rank are kept equal
             over the group by other means (e.g. your own gradient all-reduce); else refused.
             DistributedDataParallel over the group is recognized without it.
@@ -125,8 +127,9 @@ class FedAvg:
             over its replaceable process groups, every round is agreed through the store, and a
             round that failed is redone among the surviving groups (:meth:`_settle`); ``mesh``
             is then a group's own world (``init_fed_mesh(topology, group_rank=...)``).
-        sync_init: broadcast the model from federation group 0 at construction, so all groups
-            start from one point (the algorithm assumes it).
+        sync_module_states: broadcast the model from federation group 0 at construction, so all
+            groups start from one point (the algorithm assumes it; FSDP's name, deprecated
+            ``sync_init``).
 
     Attributes:
         config: the :class:`~flcomm.federated.config.FedAvgConfig` in use.
@@ -137,11 +140,14 @@ class FedAvg:
             the property); with overlap only the part the compute did not hide.
         num_syncs: exchanges applied so far.
         steps: ``step()`` calls so far.
+        sharded_exchange: each replica exchanges 1/R of the shard (see the property).
     """
 
     def __init__(self, model: nn.Module, mesh: FedMesh, config: FedAvgConfig | None = None, *,
-                 optimizer: torch.optim.Optimizer | None = None, federation: Federation | None = None,
-                 sync_init: bool = True, replicated: bool = False, **settings: Any) -> None:
+                 inner_optimizer: torch.optim.Optimizer | None = None, federation: Federation | None = None,
+                 sync_module_states: bool = True, replicated: bool = False, **settings: Any) -> None:
+        optimizer = renamed(settings, "optimizer", "inner_optimizer", inner_optimizer, None)
+        sync_init = renamed(settings, "sync_init", "sync_module_states", sync_module_states, True)
         cfg = self.config = FedAvgConfig.make(config, **settings)
         if federation is not None:
             cfg.check_elastic()
@@ -160,6 +166,7 @@ class FedAvg:
         self._order = StepOrder(optimizer, model)
         self._anchor: list = []
         self._own: list | None = None
+        self._replicate: Transport | None = None
         if self.federated:
             self._init_federated(sync_init)
         self._checkpoint = FedAvgCheckpoint(
@@ -323,6 +330,12 @@ class FedAvg:
         for fr in self._frags:
             if fr.job is not None:
                 self._apply(fr)
+
+    @property
+    def sharded_exchange(self) -> bool:
+        """Each replica exchanges 1/R of the shard, then they all-gather (FL+HSDP; the config's
+        ``sharded_exchange`` resolved against the topology)."""
+        return self._replicate is not None
 
     @property
     def in_flight(self) -> bool:

@@ -248,17 +248,10 @@ class FedMesh:
         for name, lists in tiers.items():
             self._split(name, lists)
 
-    @property
-    def transport_kind(self) -> TransportKind:
-        return self.config.transport_kind
-
-    @property
-    def timeout(self) -> timedelta:
-        return self.config.timeout
-
-    @property
-    def exchange_max_ctas(self) -> int | None:
-        return self.config.exchange_max_ctas
+    # NOTE: read-only views of the settings the mesh's code reads most
+    transport_kind = property(lambda self: self.config.transport_kind)
+    timeout = property(lambda self: self.config.timeout)
+    exchange_max_ctas = property(lambda self: self.config.exchange_max_ctas)
 
     def _split(self, name: str, lists: list[list[int]]) -> NcclTransport | None:
         mine = self._mine(lists)

@@ -176,7 +176,7 @@ class StepOrder:
 
     Rules (:meth:`check` runs at every ``FedAvg.step()``):
 
-    1. An optimizer FedAvg is given (``FedAvg(optimizer=)``, :meth:`FedAvg.attach`) counts its
+    1. An optimizer FedAvg is given (``FedAvg(inner_optimizer=)``, :meth:`FedAvg.attach`) counts its
        steps through a step post-hook of its own; a FedAvg step with none since the previous one
        is refused (unless ``skipped=True``).
     2. Without one, a global optimizer step post-hook

@@ -273,7 +273,8 @@ def build_run(cfg: TrainConfig, monitor: Monitor, store: Any = None) -> Run:
         # NOTE: FedAvg agrees inside the group too (the refusal flags at the apply, the overlap
         # choice): a failure there names that group (its job's agreement stage says so itself)
         mesh.observe = lambda t, name: monitor.noting(t, "in-group all-reduce", "group") if name == "group" else t
-        fed = FedAvg(model, mesh, cfg.fedavg, optimizer=optimizer, federation=federation, sync_init=not cfg.rejoin)
+        fed = FedAvg(model, mesh, cfg.fedavg, inner_optimizer=optimizer, federation=federation,
+                     sync_module_states=not cfg.rejoin)
     mcfg = cfg.model_config()
     meta = {"strategy": cfg.strategy, "transport": cfg.transport, "replicate_codec": cfg.replicate_codec,
             "replicate_error_feedback": cfg.replicate_error_feedback, "topology": topo.to_dict(),

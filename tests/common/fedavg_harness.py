@@ -125,7 +125,7 @@ def run_case(world: int, case: dict, states: dict | None = None) -> float:
     mesh = fed_mesh(world, F, case.get("S"), case.get("transport", "torch"))
     fm, model, opt = build(world, F, case.get("S"), kind, opt=case.get("opt", "adamw"),
                            lr=case.get("lr", 1e-2), model_kw=model_kw, mesh=mesh)
-    fed = FedAvg(model, fm, sync_every=E, optimizer=opt, **fedavg_settings(case.get("fed", {})))
+    fed = FedAvg(model, fm, sync_every=E, inner_optimizer=opt, **fedavg_settings(case.get("fed", {})))
     flags = train(fm, model, opt, fed, range(1, T + 1))
     fed.finish()
     fk = case.get("fed", {})

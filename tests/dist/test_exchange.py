@@ -46,7 +46,8 @@ def _worker(rank: int, world: int) -> dict:
     # 1. the paper's mode: in place, in the tensors' own dtype (bf16 stays bf16)
     for dt in (torch.float32, torch.bfloat16):
         loc = _data(rank, "inplace", dt)
-        ex = DeltaExchange(TorchTransport(), loc, FedAvgConfig(codec=none, bucket_mb=BUCKET_MB, error_feedback=False))
+        ex = DeltaExchange(TorchTransport(), loc,
+                           FedAvgConfig(codec=none, bucket_cap_mb=BUCKET_MB, error_feedback=False))
         assert ex.work_dtypes == [dt] * 3
         _run(ex, loc)
         out[("inplace", dt)] = [t.clone() for t in loc]
@@ -54,7 +55,7 @@ def _worker(rank: int, world: int) -> dict:
     # 2. delta mode, no overlap: anchor += mean(local - anchor); local = anchor
     loc = _data(rank, "local")
     anchors = _data(0, "anchor")  # the same on every rank
-    ex = DeltaExchange(TorchTransport(), loc, FedAvgConfig(codec=none, bucket_mb=BUCKET_MB, error_feedback=False),
+    ex = DeltaExchange(TorchTransport(), loc, FedAvgConfig(codec=none, bucket_cap_mb=BUCKET_MB, error_feedback=False),
                        ExchangeBuffers(anchors=anchors))
     _run(ex, loc)
     out["delta"] = ([t.clone() for t in loc], [a.clone() for a in anchors])
@@ -67,7 +68,7 @@ def _worker(rank: int, world: int) -> dict:
     outer = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
     outer.allocate(anchors[:2])  # tensors 0, 1 are parameters; tensor 2 a buffer (plain average)
     before = [t.clone() for t in loc]
-    ex = DeltaExchange(TorchTransport(), loc, FedAvgConfig(codec=none, bucket_mb=BUCKET_MB, error_feedback=False),
+    ex = DeltaExchange(TorchTransport(), loc, FedAvgConfig(codec=none, bucket_cap_mb=BUCKET_MB, error_feedback=False),
                        ExchangeBuffers(anchors=anchors, own=own, outer=outer, momentum_index=[0, 1, None]))
     _run(ex, loc)
     out["overlap"] = {"local_untouched": all(torch.equal(a, b) for a, b in zip(loc, before)),
@@ -80,7 +81,7 @@ def _worker(rank: int, world: int) -> dict:
         anchors = [a.float() for a in _data(0, "anchor")]
         own = [t.float() for t in loc]
         ex = DeltaExchange(TorchTransport(), loc,
-                           FedAvgConfig(codec=none, bucket_mb=BUCKET_MB, error_feedback=False,
+                           FedAvgConfig(codec=none, bucket_cap_mb=BUCKET_MB, error_feedback=False,
                                         offload="cpu" if offload else None),
                            ExchangeBuffers(anchors=anchors, own=own))
         _run(ex, loc)
@@ -96,7 +97,7 @@ def _worker(rank: int, world: int) -> dict:
         loc[1][500] = float("inf")
     keep = [a.clone() for a in anchors]
     before = [t.clone() for t in loc]
-    ex = DeltaExchange(TorchTransport(), loc, FedAvgConfig(codec=none, bucket_mb=BUCKET_MB, error_feedback=False),
+    ex = DeltaExchange(TorchTransport(), loc, FedAvgConfig(codec=none, bucket_cap_mb=BUCKET_MB, error_feedback=False),
                        ExchangeBuffers(anchors=anchors))
     res = _run(ex, loc)
     out["bad"] = {"bad_buckets": res.bad_buckets, "layout": ex.bar.layout(), "anchors": anchors, "keep": keep,
@@ -117,7 +118,7 @@ def _worker(rank: int, world: int) -> dict:
         keep = {"anchors": [a.clone() for a in anchors], "own": [o.clone() for o in own],
                 "momentum": [b.clone() for b in outer.buffers]}
         ex = DeltaExchange(TorchTransport(), loc,
-                           FedAvgConfig(codec=none, bucket_mb=BUCKET_MB, error_feedback=False,
+                           FedAvgConfig(codec=none, bucket_cap_mb=BUCKET_MB, error_feedback=False,
                                         offload="cpu" if offload else None),
                            ExchangeBuffers(anchors=anchors, own=own, outer=outer, momentum_index=[0, 1, None]))
         res = _run(ex, loc)
@@ -156,7 +157,7 @@ def _order_worker(rank: int, world: int) -> dict:
         tr.log = []
         loc = _data(rank, "local")
         ex = DeltaExchange(tr, loc,
-                           FedAvgConfig(codec=get_codec("int8"), bucket_mb=BUCKET_MB, error_feedback=True,
+                           FedAvgConfig(codec=get_codec("int8"), bucket_cap_mb=BUCKET_MB, error_feedback=True,
                                         offload="cpu" if offload else None),
                            ExchangeBuffers(anchors=_data(0, "anchor")))
         _run(ex, loc)

@@ -71,8 +71,8 @@ SEMANTIC_CASES = [
     dict(kind="fsdp2", F=2, E=3, T=8, fed={"overlap": True, "overlap_steps": 2}),   # applied at 5, 8
     dict(kind="plain", F=4, E=2, T=6, fed={"overlap": True, "overlap_steps": 2}),  # k = E
     dict(kind="fsdp2", F=2, E=4, T=9, fed={"overlap": True, "overlap_steps": 2, "outer": "nesterov"}),
-    dict(kind="plain", F=4, E=2, T=5, fed={"bucket_mb": 1e-4}),                    # many buckets, in place
-    dict(kind="fsdp2", F=2, E=2, T=5, fed={"overlap": True, "bucket_mb": 1e-4, "outer": "nesterov"}),
+    dict(kind="plain", F=4, E=2, T=5, fed={"bucket_cap_mb": 1e-4}),                    # many buckets, in place
+    dict(kind="fsdp2", F=2, E=2, T=5, fed={"overlap": True, "bucket_cap_mb": 1e-4, "outer": "nesterov"}),
     # streaming fragments (K = 2, 4 with E = 8): fragment j syncs at (t - j E / K) % E == 0
     dict(kind="fsdp2", F=2, E=8, T=12, fed={"fragments": 2}),
     dict(kind="fsdp2", F=2, E=8, T=13, fed={"fragments": 4, "overlap": True, "outer": "nesterov"}),
@@ -80,7 +80,7 @@ SEMANTIC_CASES = [
     dict(kind="plain", F=4, E=8, T=12, fed={"fragments": 2, "overlap": True, "overlap_steps": 2}),
     # offload="cpu": the same algorithm with the full-size state in host memory
     dict(kind="fsdp2", F=2, E=2, T=5, fed={"overlap": True, "outer": "nesterov", "offload": "cpu",
-                                            "bucket_mb": 1e-4}),
+                                            "bucket_cap_mb": 1e-4}),
 ]
 
 
@@ -178,7 +178,7 @@ def _compressed_worker(rank: int, world: int) -> dict:
         _, model, opt = build(world, 2, None, "fsdp2", mesh=fm, model_kw={"d": 32})
         # NOTE: ~4k-element shards in buckets of 0.02 MB (5k elements): several buckets per
         # exchange, large enough that the codecs' block padding is small
-        fed = FedAvg(model, fm, sync_every=2, codec=codec, error_feedback=bool(ef), bucket_mb=0.01,
+        fed = FedAvg(model, fm, sync_every=2, codec=codec, error_feedback=bool(ef), bucket_cap_mb=0.01,
                      residual_dtype=ef if isinstance(ef, str) else "fp32")
         fm.stats.reset()
         train(fm, model, opt, fed, range(1, 7))
@@ -217,7 +217,8 @@ def test_compressed_within_tolerance_of_uncompressed(combined):
 def _roundtrip_worker(rank: int, world: int, ckpt_dir: str) -> dict:
     import os
 
-    base = dict(sync_every=2, outer="nesterov", codec="int8", error_feedback=True, overlap_steps=1, bucket_mb=0.0005)
+    base = dict(sync_every=2, outer="nesterov", codec="int8", error_feedback=True, overlap_steps=1,
+                bucket_cap_mb=0.0005)
     # the second holds per-fragment state (fragments synced at odd and even steps)
     out = {}
     # the third: the sparse codec's residuals (its own bucket layout: whole blocks, no chunks)
@@ -294,7 +295,7 @@ def _errors_worker(rank: int, world: int) -> dict:
         (dict(sync_every=2, outer="adam"), ValueError, r"outer must be one of avg, nesterov, got 'adam'"),
         (dict(sync_every=2, inner_state="x"), ValueError, "inner_state must be one of"),
         (dict(sync_every=2, inner_state="average"), ValueError, "needs the inner optimizer"),
-        (dict(sync_every=2, bucket_mb=0), ValueError, "bucket_mb"),
+        (dict(sync_every=2, bucket_cap_mb=0), ValueError, "bucket_cap_mb"),
         (dict(sync_every=2, outer="nesterov", outer_momentum=1.0), ValueError, "outer_momentum"),
         (dict(sync_every=2, overlap_steps=3), ValueError,
          r"overlap_steps .* in \[0, 2\] \(at most sync_every\) or 'auto', got 3"),
@@ -386,7 +387,7 @@ def _precision_worker(rank: int, world: int) -> dict:
         t = p.detach().clone()
         dist.all_reduce(t)
         want[n] = t / world
-    fed = FedAvg(model, fm4, sync_every=1, sync_init=False)  # the paper's mode: in place, fp64
+    fed = FedAvg(model, fm4, sync_every=1, sync_module_states=False)  # the paper's mode: in place, fp64
     fed.step()
     out["fp64_err"] = max((p.detach() - want[n]).abs().max().item() for n, p in model.named_parameters())
     out["fp64_delta_anchor"] = str(FedAvg(model, fm4, sync_every=1, overlap_steps=1)._anchor[0].dtype)

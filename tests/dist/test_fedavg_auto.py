@@ -41,7 +41,7 @@ def _worker(rank: int, world: int) -> dict:
 
     clock = _staged(rank)
     fm, model, opt = build(world, 2, None, "fsdp2")
-    fed = FedAvg(model, fm, sync_every=E, overlap_steps="auto", optimizer=opt)
+    fed = FedAvg(model, fm, sync_every=E, overlap_steps="auto", inner_optimizer=opt)
     flags, ks = [], []
     for t in range(1, T + 1):
         loss_fn(model, *batch(fm.coords.group, fm.coords.index, t)).backward()
@@ -52,7 +52,7 @@ def _worker(rank: int, world: int) -> dict:
         ks.append(fed.overlap_steps)
     fed.finish()
     sd = fed.state_dict()
-    again = FedAvg(model, fm, sync_every=E, overlap_steps="auto", optimizer=opt, sync_init=False)
+    again = FedAvg(model, fm, sync_every=E, overlap_steps="auto", inner_optimizer=opt, sync_module_states=False)
     before = again.overlap_steps
     again.load_state_dict(sd)
     return {"flags": flags, "ks": ks, "saved": sd.get("overlap_steps"), "loaded": (before, again.overlap_steps),

@@ -124,7 +124,7 @@ def _step_order(rank: int, world: int) -> dict:
     fm2 = fed_mesh(world, 2)
     c = fm2.coords
     fm, model, opt = build(world, 2, None, "fsdp2", mesh=fm2)
-    fed = FedAvg(model, fm, sync_every=2, optimizer=opt)
+    fed = FedAvg(model, fm, sync_every=2, inner_optimizer=opt)
     loss_fn(model, *batch(c.group, c.index, 1)).backward()
     with pytest.raises(RuntimeError, match=r"FedAvg.step\(\) for local step 1 came with no optimizer.step\(\) "
                                            r"since the previous FedAvg.step\(\): call fed.step\(\) once after "
@@ -210,7 +210,7 @@ def _verify_passes(rank: int, world: int) -> dict:
         states = []
         for verify in (True, False):
             fm, model, opt = _model(world, kind, topo)
-            fed = FedAvg(model, fm, sync_every=E, optimizer=opt, verify=verify, **kw)
+            fed = FedAvg(model, fm, sync_every=E, inner_optimizer=opt, verify=verify, **kw)
             train(fm, model, opt, fed, range(1, 2 * E + 1))
             fed.finish()
             assert fed.num_syncs == 2 * kw.get("fragments", 1)
@@ -247,7 +247,7 @@ def _drifts(rank: int, world: int) -> dict:
     # 1. FL+HSDP: replica 1 of group 0 (rank 1) perturbed after the sync of step 2; the sharded
     # exchange of step 4 would make the replicas equal again: caught at that sync
     fm, model, opt = _model(world, "fsdp2", "fl-hsdp")
-    fed = FedAvg(model, fm, sync_every=2, optimizer=opt, verify=True, codec="int8", error_feedback=True)
+    fed = FedAvg(model, fm, sync_every=2, inner_optimizer=opt, verify=True, codec="int8", error_feedback=True)
     train(fm, model, opt, fed, range(1, 3))
     if rank == 1:
         with torch.no_grad():
@@ -262,7 +262,7 @@ def _drifts(rank: int, world: int) -> dict:
     # 2. overlap: group 1's anchor perturbed on rank 2 (fed group [0, 2]) after the first apply;
     # the anchors of the next sync (step 4, applied at step 5) differ
     fm, model, opt = _model(world, "fsdp2", "fl-fsdp")
-    fed = FedAvg(model, fm, sync_every=2, optimizer=opt, verify=True, codec="int8", error_feedback=True,
+    fed = FedAvg(model, fm, sync_every=2, inner_optimizer=opt, verify=True, codec="int8", error_feedback=True,
                  overlap_steps=1)
     train(fm, model, opt, fed, range(1, 4))
     if rank == 2:
@@ -275,7 +275,7 @@ def _drifts(rank: int, world: int) -> dict:
 
     # 3. the paper's in-place mode: rank 2's exchange writes another average than its peer's
     fm, model, opt = _model(world, "fsdp2", "fl-fsdp")
-    fed = FedAvg(model, fm, sync_every=2, optimizer=opt, verify=True)
+    fed = FedAvg(model, fm, sync_every=2, inner_optimizer=opt, verify=True)
     assert fed.config.in_place
     if rank == 2:
         ex = fed._exchange
@@ -293,7 +293,7 @@ def _drifts(rank: int, world: int) -> dict:
 
     # 4. replicated=True promised, but nothing keeps the plain module equal in its group
     fm, model, opt = build(world, 2, None, "plain", mesh=fm2)
-    fed = FedAvg(model, fm, sync_every=2, optimizer=opt, verify=True, replicated=True)
+    fed = FedAvg(model, fm, sync_every=2, inner_optimizer=opt, verify=True, replicated=True)
     train(fm, model, opt, fed, range(1, 2))
     mine = list(fm2.group_ranks["group"])
     out["plain"] = _expect_mismatch(lambda: train(fm, model, opt, fed, range(2, 3)), "group", mine, 2)

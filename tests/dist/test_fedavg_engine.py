@@ -27,7 +27,7 @@ def _killed_peer(rank: int, world: int) -> dict:
         timeout=timedelta(seconds=TIMEOUT_S), node_tiers=False)
     model = make_model(0, d=64)
     opt = make_opt(model.parameters(), "adamw", 1e-2)
-    fed = FedAvg(model, fm, sync_every=2, overlap_steps=1, bucket_mb=0.01)
+    fed = FedAvg(model, fm, sync_every=2, overlap_steps=1, bucket_cap_mb=0.01)
 
     def local_step(t: int) -> None:
         loss_fn(model, *batch(rank, 0, t)).backward()
@@ -78,7 +78,7 @@ def _advances(rank: int, world: int) -> dict:
     # int8 + EF in many buckets: every stage (encode, the all-gather of two ranks, decode,
     # outer update) of every bucket has to run for the job to complete
     fed = FedAvg(model, fm, sync_every=1, codec="int8", error_feedback=True, overlap_steps=1,
-                 outer="nesterov", bucket_mb=0.002)
+                 outer="nesterov", bucket_cap_mb=0.002)
     fed.step()  # starts the exchange of step 1
     fr = fed._frags[0]
     buckets = fr.exchange.bar.num_buckets
@@ -158,7 +158,7 @@ def _memory_worker(rank: int, world: int) -> dict:
     stats = {}
     for name, kw in MEM_MODES.items():
         model = _mem_model()
-        fed = FedAvg(model, fm, sync_every=1, bucket_mb=MEM_BUCKET_MB, **kw)
+        fed = FedAvg(model, fm, sync_every=1, bucket_cap_mb=MEM_BUCKET_MB, **kw)
         for t in (1, 2, 3):
             _local_steps(model, rank, t)
             fed.step()
@@ -172,7 +172,7 @@ def _memory_worker(rank: int, world: int) -> dict:
         mb = MEM_BUCKET_MB
         for offload in ("cpu", None):
             model = _mem_model()
-            fed = FedAvg(model, fm, sync_every=2, bucket_mb=mb, offload=offload, **kw)
+            fed = FedAvg(model, fm, sync_every=2, bucket_cap_mb=mb, offload=offload, **kw)
             for t in range(1, 8):
                 _local_steps(model, rank, t)
                 fed.step()

@@ -92,7 +92,7 @@ def _run(rank: int, world: int, offload: str | None) -> dict:
     model = make_model(0, d=D)
     opt = make_opt(model.parameters(), "sgd", LR)
     fed = FedAvg(model, fm, sync_every=E, fragments=K, overlap_steps=k, outer="nesterov",
-                 offload=offload, bucket_mb=BUCKET_MB)
+                 offload=offload, bucket_cap_mb=BUCKET_MB)
     warnings.filterwarnings("ignore", "FedAvg: the exchanges up to step")  # NOTE: the gated jobs are late
     # NOTE: a job starts only when the next step begins, so it is in flight during that step's
     # apply of the other fragment (whatever the machine's speed)

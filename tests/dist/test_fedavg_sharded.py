@@ -54,7 +54,8 @@ def _exchange(fm, codec: str, ef: bool, sharded: bool, replicate):
     c = fm.coords
     loc = _data(c.group, c.shard, "local")
     anchors = _data(0, c.shard, "anchor")
-    ex = DeltaExchange(fm.transport("fed"), loc, FedAvgConfig(codec=get_codec(codec), bucket_mb=1.0, error_feedback=ef),
+    ex = DeltaExchange(fm.transport("fed"), loc,
+                       FedAvgConfig(codec=get_codec(codec), bucket_cap_mb=1.0, error_feedback=ef),
                        ExchangeBuffers(anchors=anchors),
                        replicate=replicate if sharded else None)
     fm.stats.reset()
@@ -110,7 +111,7 @@ def _exchange_worker(rank: int, world: int) -> dict:
     c = fm.coords
     loc = [t.round().to(torch.bfloat16) for t in _data(c.group, c.shard, "inplace")]
     ex = DeltaExchange(fm.transport("fed"), loc,
-                       FedAvgConfig(codec=get_codec("none"), bucket_mb=300 * 4 / 2**20, error_feedback=False),
+                       FedAvgConfig(codec=get_codec("none"), bucket_cap_mb=300 * 4 / 2**20, error_feedback=False),
                        replicate=rep)
     get_engine("cpu").submit(lambda j: ex.run(j, loc), "test in place").wait(120)
     out["inplace_bf16"] = (loc, ex.bar.num_buckets)
@@ -135,12 +136,12 @@ def _exchange_worker(rank: int, world: int) -> dict:
 # ------------------------------------------------------------------ FedAvg against the simulation
 SIM_CASES = [
     dict(kind="fsdp2", F=F, S=S, E=2, T=5),                                             # in place
-    dict(kind="fsdp2", F=F, S=S, E=2, T=5, fed={"bucket_mb": 1e-4}),                    # many buckets
-    dict(kind="fsdp2", F=F, S=S, E=2, T=5, fed={"error_feedback": True, "bucket_mb": 1e-4}),
-    dict(kind="fsdp2", F=F, S=S, E=3, T=7, fed={"overlap": True, "outer": "nesterov", "bucket_mb": 1e-4}),
+    dict(kind="fsdp2", F=F, S=S, E=2, T=5, fed={"bucket_cap_mb": 1e-4}),                    # many buckets
+    dict(kind="fsdp2", F=F, S=S, E=2, T=5, fed={"error_feedback": True, "bucket_cap_mb": 1e-4}),
+    dict(kind="fsdp2", F=F, S=S, E=3, T=7, fed={"overlap": True, "outer": "nesterov", "bucket_cap_mb": 1e-4}),
     dict(kind="fsdp2", F=F, S=S, E=3, T=8, fed={"overlap": True, "overlap_steps": 2}),
     dict(kind="fsdp2", F=F, S=S, E=4, T=9, fed={"fragments": 2, "overlap": True, "outer": "nesterov"}),
-    dict(kind="fsdp2", F=F, S=S, E=2, T=5, fed={"overlap": True, "offload": "cpu", "bucket_mb": 1e-4}),
+    dict(kind="fsdp2", F=F, S=S, E=2, T=5, fed={"overlap": True, "offload": "cpu", "bucket_cap_mb": 1e-4}),
 ]
 
 
@@ -148,8 +149,8 @@ def _sim_worker(rank: int, world: int) -> dict:
     from flcomm.federated.fedavg import FedAvg
 
     fm, model, _ = build(world, F, S, "fsdp2")
-    assert FedAvg(model, fm, sync_every=2)._replicate is not None  # on by default when R > 1
-    assert FedAvg(model, fm, sync_every=2, sharded_exchange=False)._replicate is None
+    assert FedAvg(model, fm, sync_every=2).sharded_exchange  # on by default when R > 1
+    assert FedAvg(model, fm, sync_every=2, sharded_exchange=False).sharded_exchange is False
     return {"worst": [run_case(world, c) for c in SIM_CASES]}
 
 
@@ -167,7 +168,7 @@ def _codecs_worker(rank: int, world: int) -> dict:
     for codec, ef in [("none", False)] + LOSSY:
         for sharded in (False, True):
             _, model, opt = build(world, F, S, "fsdp2", mesh=fm, model_kw={"d": 32})
-            fed = FedAvg(model, fm, sync_every=2, codec=codec, error_feedback=bool(ef), bucket_mb=0.01,
+            fed = FedAvg(model, fm, sync_every=2, codec=codec, error_feedback=bool(ef), bucket_cap_mb=0.01,
                          residual_dtype=ef if isinstance(ef, str) else "fp32", sharded_exchange=sharded)
             fm.stats.reset()
             train(fm, model, opt, fed, range(1, 7))
@@ -186,7 +187,7 @@ def _roundtrip_worker(rank: int, world: int) -> dict:
     from flcomm.federated.fedavg import FedAvg
 
     fm = fed_mesh(world, F, S)
-    kw = dict(sync_every=2, outer="nesterov", codec="int8", error_feedback=True, overlap_steps=1, bucket_mb=0.0005)
+    kw = dict(sync_every=2, outer="nesterov", codec="int8", error_feedback=True, overlap_steps=1, bucket_cap_mb=0.0005)
 
     def fresh():
         _, model, opt = build(world, F, S, "fsdp2", mesh=fm)

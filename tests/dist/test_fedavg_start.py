@@ -27,7 +27,7 @@ def _worker(rank: int, world: int) -> dict:
 
     fedavg_mod.broadcast = slow_group0
     fm, model, opt = build(world, 2, None, "fsdp2")
-    FedAvg(model, fm, sync_every=2, optimizer=opt)
+    FedAvg(model, fm, sync_every=2, inner_optimizer=opt)
     return {"group": fm.coords.group, "broadcast_done": done["t"], "left": time.time()}
 
 
@@ -48,7 +48,7 @@ def _warm_worker(rank: int, world: int) -> dict:
     before = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
     sent0 = fm.stats.bytes("inter_group")
     fed = FedAvg(model, fm, sync_every=2, codec="int8", error_feedback=True, outer="nesterov", overlap_steps=1,
-                 optimizer=opt)
+                 inner_optimizer=opt)
     after = {n: p.detach().to_local() for n, p in model.named_parameters()}
     residuals = [r for fr in fed._frags for r in fr.exchange.state_dict()["residuals"] if r is not None]
     return {"same": all(torch.equal(before[n], after[n]) for n in before),
@@ -73,7 +73,7 @@ def _first_step_worker(rank: int, world: int) -> dict:
     from tests.common.fedavg_harness import build
 
     fm, model, opt = build(world, 2, None, "fsdp2")
-    fed = FedAvg(model, fm, sync_every=4, codec="int8", error_feedback=True, overlap_steps=1, optimizer=opt)
+    fed = FedAvg(model, fm, sync_every=4, codec="int8", error_feedback=True, overlap_steps=1, inner_optimizer=opt)
     model(torch.randn(5, 4)).square().mean().backward()
     opt.step()
     opt.zero_grad()

@@ -36,7 +36,7 @@ def _run(rank: int, world: int, S: int, fault: str) -> dict:
     mesh = init_fed_mesh(topo, node_tiers=False, transport="native", timeout=timedelta(seconds=TIMEOUT_S))
     model = make_model(0)
     opt = make_opt(model.parameters(), "adamw", 1e-2)
-    fed = FedAvg(model, mesh, sync_every=E, codec="int8", error_feedback=True, replicated=True, bucket_mb=1.0)
+    fed = FedAvg(model, mesh, sync_every=E, codec="int8", error_feedback=True, replicated=True, bucket_cap_mb=1.0)
     c = mesh.coords
     out: dict = {"rank": rank}
     t0 = None

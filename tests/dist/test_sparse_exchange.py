@@ -139,7 +139,7 @@ def _sim_body(rank: int, world: int) -> list[dict]:
     for case in SIM_CASES:
         fm, model, opt = build(world, world, None, "plain", model_kw={"d": 32})
         # NOTE: one bucket: its blocks are the simulation's blocks of the concatenated deltas
-        fed = FedAvg(model, fm, sync_every=2, optimizer=opt, bucket_mb=1.0, **fedavg_settings(case))
+        fed = FedAvg(model, fm, sync_every=2, inner_optimizer=opt, bucket_cap_mb=1.0, **fedavg_settings(case))
         train(fm, model, opt, fed, range(1, 9))
         fed.finish()
         out.append(full_state(model, "plain"))
@@ -194,7 +194,8 @@ def _agree_body(rank: int, world: int) -> dict:
         _, model, opt = build(world, F, S, "fsdp2", mesh=fm, model_kw={"d": 32})
         kw = {"sync_every": 2, **kw}
         E = kw["sync_every"]
-        fed = FedAvg(model, fm, optimizer=opt, verify=True, codec="topk:k=6:bits=2:block=128", bucket_mb=0.01, **kw)
+        fed = FedAvg(model, fm, inner_optimizer=opt, verify=True, codec="topk:k=6:bits=2:block=128",
+                     bucket_cap_mb=0.01, **kw)
         train(fm, model, opt, fed, range(1, 3 * E + 1))
         fed.finish()
         flat = _flat(full_state(model, "fsdp2"))

@@ -373,7 +373,7 @@ def test_slow_wire_fedavg_plumbing_on_cpu():
     shapes = [(1 << 14,)] * 8 + [(3, 1001)]
     model = Params(shapes, torch.float32, dev)
     fed = FedAvg(model, OneProcessMesh(SlowWire(dev)), sync_every=2, codec="int8", error_feedback=True,
-                 overlap_steps=2, bucket_mb=0.0625)
+                 overlap_steps=2, bucket_cap_mb=0.0625)
     assert fed._exchange.bar.num_buckets >= 8
     for t in range(1, 7):
         _train_step(model, t)
@@ -382,7 +382,7 @@ def test_slow_wire_fedavg_plumbing_on_cpu():
     assert fed.num_syncs == 3
     exact = Params(shapes, torch.float32, dev)
     ref = Params(shapes, torch.float32, dev)
-    fe = FedAvg(exact, OneProcessMesh(SlowWire(dev)), sync_every=2, overlap_steps=2, bucket_mb=0.0625)
+    fe = FedAvg(exact, OneProcessMesh(SlowWire(dev)), sync_every=2, overlap_steps=2, bucket_cap_mb=0.0625)
     for t in range(1, 7):
         _train_step(exact, t)
         _train_step(ref, t)
@@ -418,7 +418,7 @@ def _late_exchanges(dev: torch.device) -> dict:
     cuda = dev.type == "cuda"
     wire = SlowWire(dev, delay_s=0.01 if cuda else 0.0, host_wait=True)
     model = Params([(1 << 18,)] * 8, torch.float32, dev)
-    fed = FedAvg(model, OneProcessMesh(wire), sync_every=2, overlap_steps=1, bucket_mb=1.0)
+    fed = FedAvg(model, OneProcessMesh(wire), sync_every=2, overlap_steps=1, bucket_cap_mb=1.0)
     exposure = fed._exposure = fed._links.exposure = HostAndEvents(dev)
     n_mm, a = 0, None
     if cuda:
@@ -523,7 +523,7 @@ def test_fedavg_overlap_end_to_end_on_the_comm_stream():
     wire = SlowWire(dev, delay_s=0.003)
     model = Params([(1 << 20,)] * 12, torch.float32, dev)
     fed = FedAvg(model, OneProcessMesh(wire), sync_every=4, codec="int8", error_feedback=True,
-                 overlap_steps=4, bucket_mb=4.0)
+                 overlap_steps=4, bucket_cap_mb=4.0)
     buckets = fed._exchange.bar.num_buckets
     exposure = fed._exposure = fed._links.exposure = HostAndEvents(dev)
     wire.intervals.clear()  # NOTE: the construction's peer check and broadcast are no exchange
@@ -777,7 +777,7 @@ def _offload_run(offload: str | None, dev: torch.device, shared_apply_scratch: b
         torch.cuda.reset_peak_memory_stats(dev)
     base = torch.cuda.memory_allocated(dev) if cuda else 0
     fed = FedAvg(model, OneProcessMesh(SlowWire(dev)), sync_every=2, fragments=2, codec="none", outer="nesterov",
-                 overlap_steps=2, bucket_mb=1.0, offload=offload)
+                 overlap_steps=2, bucket_cap_mb=1.0, offload=offload)
     exchanges = [fr.exchange for fr in fed._frags]
     apply_scratch = [ex.apply_scratch for ex in exchanges]
     for ex in exchanges:

@@ -682,7 +682,7 @@ def _offload_exchange(dev: torch.device) -> dict:
             outer.buffers = [b.pin_memory() for b in outer.buffers]
         mb = bucket_mb if offload else max(res[True]["bucket_numels"]) * 4 / 2**20
         ex = DeltaExchange(SlowWire(dev), loc,
-                           FedAvgConfig(codec=get_codec("int8"), bucket_mb=mb, error_feedback=True,
+                           FedAvgConfig(codec=get_codec("int8"), bucket_cap_mb=mb, error_feedback=True,
                                         offload="cpu" if offload else None),
                            ExchangeBuffers(anchors=anchors, own=own, outer=outer, momentum_index=[0, 1, None]))
         applied = [t.clone() for t in loc]

@@ -61,7 +61,7 @@ def _train_elastic_on(rank: int, world: int, E: int, T: int, kill: tuple[int, in
     # NOTE: each rank computes its group's loss over all G batches: replicated by construction;
     # verify checks that through the federation's rounds
     fed = FedAvg(model, mesh, sync_every=E, outer=outer, overlap_steps=int(overlap), federation=federation,
-                 replicated=True, verify=True, codec=codec, error_feedback=codec != "none", bucket_mb=1.0)
+                 replicated=True, verify=True, codec=codec, error_feedback=codec != "none", bucket_cap_mb=1.0)
     kill_rank, kill_step, phase = kill
     try:
         for t in range(1, T + 1):

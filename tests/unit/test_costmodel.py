@@ -305,7 +305,7 @@ def test_memory_per_rank_formula():
     full = Plan("fl-fsdp", group_size=2, shard_size=None,
                 fedavg=FedAvgConfig(sync_every=4, codec="int8", error_feedback=True, outer="nesterov", overlap_steps=1))
     m = predict(cluster(), wl, full).memory_bytes
-    buckets = 2 * full.fedavg.bucket_mb * 2**20
+    buckets = 2 * full.fedavg.bucket_cap_mb * 2**20
     assert m == {"state": 16 * N / 2, "unsharded": N / 4 * (2 * 2 + 4), "fedavg": 4 * 4 * N / 2 + buckets,
                  "activations": 123.0}
     assert cm.fedavg_shard_copies(full) == 4
@@ -589,7 +589,7 @@ def test_help_shows_every_default(monkeypatch, capsys):
         cm.main(["--help"])
     out = capsys.readouterr().out
     helptext = " ".join(out[out.index("options:"):].split())
-    acts = [a for a in make_parser()._actions if a.dest != "help"]
+    acts = [a for a in make_parser()._actions if a.dest != "help" and a.help != argparse.SUPPRESS]
 
     def start(act) -> str:
         opt = act.option_strings[0]

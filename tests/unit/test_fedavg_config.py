@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 BAD = {
     "sync_every": 0, "codec": "zip", "block_size": 0, "error_feedback": "yes", "outer": "adam",
     "outer_lr": 0.0, "outer_momentum": 1.0, "inner_state": "x", "overlap_steps": 9, "fragments": 3,
-    "bucket_mb": 0, "offload": "gpu", "residual_dtype": "fp8", "sharded_exchange": 1, "verify": "yes",
+    "bucket_cap_mb": 0, "offload": "gpu", "residual_dtype": "fp8", "sharded_exchange": 1, "verify": "yes",
 }
 
 
@@ -82,7 +82,9 @@ def _parse(argv: list[str]) -> FedAvgConfig:
 def test_flags_are_the_fields_with_their_help_and_defaults():
     p = argparse.ArgumentParser()
     FedAvgConfig.add_arguments(p)
-    actions = {a.dest: a for a in p._actions if a.dest != "help" and a.option_strings[0] != "--overlap"}
+    # NOTE: --overlap, and the deprecated spellings (hidden), are further flags of a field
+    actions = {a.dest: a for a in p._actions
+               if a.dest != "help" and a.option_strings[0] != "--overlap" and a.help != argparse.SUPPRESS}
     for f in dataclasses.fields(FedAvgConfig):
         a = actions.pop(f.name)
         assert a.option_strings[0] == "--" + f.name.replace("_", "-")
@@ -97,9 +99,9 @@ def test_cli_train_config_and_record_round_trip_one_config():
 
     argv = ["--sync-every", "4", "--codec", "int8", "--block-size", "64", "--error-feedback", "--outer", "nesterov",
             "--outer-lr", "0.5", "--outer-momentum", "0.8", "--overlap-steps", "2", "--fragments", "2",
-            "--bucket-mb", "8", "--offload", "cpu", "--residual-dtype", "bf16", "--no-sharded-exchange"]
+            "--bucket-cap-mb", "8", "--offload", "cpu", "--residual-dtype", "bf16", "--no-sharded-exchange"]
     want = FedAvgConfig(sync_every=4, codec="int8", block_size=64, error_feedback=True, outer="nesterov",
-                        outer_lr=0.5, outer_momentum=0.8, overlap_steps=2, fragments=2, bucket_mb=8.0,
+                        outer_lr=0.5, outer_momentum=0.8, overlap_steps=2, fragments=2, bucket_cap_mb=8.0,
                         offload="cpu", residual_dtype="bf16", sharded_exchange=False)
     assert _parse(argv) == want
     cfg = _config(_train_parser().parse_args(["--strategy", "fl-fsdp", *argv]))
@@ -166,4 +168,32 @@ def test_what_must_match_on_resume_is_field_metadata():
     assert config_mismatch(old, run) == ("fragments", None, 2)
     assert config_mismatch(old, {**run, "fragments": 1}) is None
     # NOTE: settings that change no saved layout load across runs
-    assert config_mismatch({**run, "codec": "none", "sync_every": 8, "bucket_mb": 1.0}, run) is None
+    assert config_mismatch({**run, "codec": "none", "sync_every": 8, "bucket_cap_mb": 1.0}, run) is None
+
+
+def test_renamed_settings_warn_and_land_in_their_new_field():
+    """bucket_mb is bucket_cap_mb (DDP's name): the old keyword warns, an old record loads, and
+    both at once are refused."""
+    import warnings as w
+
+    with pytest.warns(DeprecationWarning, match=r"bucket_mb=\) is deprecated: use bucket_cap_mb="):
+        c = FedAvgConfig.make(bucket_mb=2.0)
+    assert c.bucket_cap_mb == 2.0
+    with pytest.raises(TypeError, match="both bucket_cap_mb= and its deprecated name bucket_mb="):
+        FedAvgConfig.make(bucket_mb=2.0, bucket_cap_mb=3.0)
+    old = {k: v for k, v in FedAvgConfig(bucket_cap_mb=4.0).to_dict().items() if k != "bucket_cap_mb"}
+    with w.catch_warnings():
+        w.simplefilter("error")  # NOTE: a record is not the user's spelling: no warning
+        assert FedAvgConfig.from_dict({**old, "bucket_mb": 4.0}) == FedAvgConfig(bucket_cap_mb=4.0)
+
+
+def test_renamed_keyword_helper():
+    from flcomm.federated.config import renamed
+
+    settings = {"optimizer": "opt", "other": 1}
+    with pytest.warns(DeprecationWarning, match=r"FedAvg\(optimizer=\) is deprecated: use inner_optimizer="):
+        assert renamed(settings, "optimizer", "inner_optimizer", None, None) == "opt"
+    assert settings == {"other": 1}
+    assert renamed(settings, "optimizer", "inner_optimizer", "given", None) == "given"
+    with pytest.raises(TypeError, match="both inner_optimizer= and its deprecated name optimizer="):
+        renamed({"optimizer": 1}, "optimizer", "inner_optimizer", 2, None)

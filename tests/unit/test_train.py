@@ -194,8 +194,8 @@ def test_cli_reports_bad_input_without_launching(capsys):
 @pytest.mark.parametrize("argv,match", [
     (["--timeout-s", "0"], "timeout_s must be a finite number > 0, got 0.0"),
     (["--timeout-s", "nan"], "timeout_s must be a finite number > 0, got nan"),
-    (["--bucket-mb", "0"], "bucket_mb must be a finite number > 0, got 0.0"),
-    (["--bucket-mb", "inf"], "bucket_mb must be a finite number > 0, got inf"),
+    (["--bucket-cap-mb", "0"], "bucket_cap_mb must be a finite number > 0, got 0.0"),
+    (["--bucket-mb", "inf"], "bucket_cap_mb must be a finite number > 0, got inf"),
     (["--max-tokens", "0"], "max_tokens must be an integer >= 1, got 0"),
     (["--weight-decay", "-0.1"], "weight_decay must be a finite number >= 0, got -0.1"),
     (["--nproc", "0"], "--nproc must be an integer >= 1, got 0"),
