@@ -177,7 +177,7 @@ class FedMesh:
             raise ValueError(f"rank {self.rank} is rank {self.coords.index} of federation group {self.coords.group}, "
                              f"but torch.distributed's rank is {dist.get_rank()}")
         # NOTE: in a group's own world, torch's rank of global rank r is its index in the group
-        self._own = topo.group_ranks(self.coords.group)
+        self._group_ranks = topo.group_ranks(self.coords.group)
         self.stats = stats if stats is not None else CommStats()
         self.group_ranks: dict[str, list[int]] = {}
         dims = MESH_DIMS[1:] if self.group_world else MESH_DIMS
@@ -185,7 +185,7 @@ class FedMesh:
         mesh = topo.mesh()
         if self.group_world:
             self.group_ranks["fed"] = topo.dim_groups("fed")[self.coords.index]
-            mesh = [[self._own.index(r) for r in row] for row in mesh[self.coords.group]]  # (R, S)
+            mesh = [[self._group_ranks.index(r) for r in row] for row in mesh[self.coords.group]]  # (R, S)
         # NOTE: a DeviceMesh built by DeviceMesh(...) / init_device_mesh creates its dims' groups
         # with torch's default 30-minute timeout: a frozen rank would hang FSDP's collectives
         # that long. The mesh is built on our own groups instead, which carry ``timeout``.
@@ -221,7 +221,7 @@ class FedMesh:
 
         mine = None
         for ranks in lists:  # NOTE: every rank must create every group, in the same order
-            if self.group_world and not set(ranks) <= set(self._own):
+            if self.group_world and not set(ranks) <= set(self._group_ranks):
                 continue
             local = self._torch_ranks(ranks)
             g = dist.new_group(local, timeout=self.timeout, use_local_synchronization=False,
@@ -233,7 +233,7 @@ class FedMesh:
     def _mine(self, lists: list[list[int]]) -> tuple[int, int, list[int]] | None:
         """(index of my list, my position in it, the list) among the lists that exist in this
         world (a group's own world has only the lists inside the group); None if in none."""
-        lists = [r for r in lists if not self.group_world or set(r) <= set(self._own)]
+        lists = [r for r in lists if not self.group_world or set(r) <= set(self._group_ranks)]
         for i, ranks in enumerate(lists):
             if self.rank in ranks:
                 return i, list(ranks).index(self.rank), list(ranks)
@@ -268,7 +268,7 @@ class FedMesh:
 
     def _torch_ranks(self, ranks: Sequence[int]) -> list[int]:
         """torch.distributed's ranks of global ranks (the inverse of :meth:`global_ranks`)."""
-        return [self._own.index(r) for r in ranks] if self.group_world else list(ranks)
+        return [self._group_ranks.index(r) for r in ranks] if self.group_world else list(ranks)
 
     def private_transport(self, name: str, dim: str) -> Transport:
         """A transport per group of ``dim`` (this rank's returned), of its own, named ``name``:
@@ -348,7 +348,7 @@ class FedMesh:
 
     def global_ranks(self, ranks: Sequence[int]) -> list[int]:
         """Global ranks of torch.distributed ranks (different only in a group's own world)."""
-        return [self._own[r] for r in ranks] if self.group_world else list(ranks)
+        return [self._group_ranks[r] for r in ranks] if self.group_world else list(ranks)
 
     def describe(self, name: str) -> str:
         """``'group NAME (ranks [...])'``: how an error names a process group."""
