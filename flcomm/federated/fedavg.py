@@ -167,6 +167,7 @@ class FedAvg:
         self._anchor: list = []
         self._own: list | None = None
         self._replicate: Transport | None = None
+        self._verify: ReplicaCheck | None = None  # verify=True
         if self.federated:
             self._init_federated(sync_init)
         self._checkpoint = FedAvgCheckpoint(
@@ -214,11 +215,12 @@ class FedAvg:
         self._links = links = Links(
             self.topology, device, mesh.transport("group"),
             mesh.private_transport("flags_agree", "group") if not elastic else None, mesh.timeout,
-            mesh.native_transports(), ExposedTime(events=device.type == "cuda", new_event=lambda: cuda_event(device)),
+            mesh.native_transports, ExposedTime(events=device.type == "cuda", new_event=lambda: cuda_event(device)),
             rank=self.rank)
         self._exposure = links.exposure
         links.bind(fed, fed_ranks, get_engine(device, "exchange"))
-        self._verify = ReplicaCheck(cfg.verify, self.topology, self.rank, device, links.group, self._over_fed)
+        if cfg.verify:
+            self._verify = ReplicaCheck(self.topology, self.rank, device, links.group, self._over_fed)
         if sync_init and fed is not None:
             broadcast(fed, locals_, 0)  # NOTE: all start from group 0's model
             # NOTE: a one-to-all broadcast ends at different times on different groups (seconds on a
@@ -425,7 +427,8 @@ class FedAvg:
         """``fn(fed transport)`` on the exchange's engine lane (the replica check's gather)."""
         if self.federation is not None:
             return self.cross_group(name, fn)
-        return self._links.on_lane(name, fn, sum(fr.exchange.bar.num_buckets for fr in self._frags if fr.exchange))
+        return self._links.on_lane(name, fn, sum(fr.exchange.bar.num_buckets for fr in self._frags
+                                                      if fr.exchange is not None))
 
     def _rebind(self) -> None:
         """The exchanges over the federation's current transport."""
@@ -468,8 +471,9 @@ class FedAvg:
         window = links.exposure.begin()
         fr.start(self.steps, self.steps + self.overlap_steps, cfg.offload is not None and links.device.type == "cuda")
         sync_inner_state(cfg.inner_kind, self.optimizer, links.fed)
-        self._verify.at_start(fr.index, [s.local for s in fr.xslots if s.is_param and s.coord],
-                              [s.local for s in fr.xslots if s.is_param and not s.coord])
+        if self._verify is not None:
+            self._verify.at_start(fr.index, [s.local for s in fr.xslots if s.is_param and s.coord],
+                                  [s.local for s in fr.xslots if s.is_param and not s.coord])
         fr.submit()
         links.exposure.end(window)
 
@@ -479,6 +483,8 @@ class FedAvg:
         ``on_time``: applied ``overlap_steps`` after its start (not early by :meth:`finish`)."""
         fr.apply(on_time)
         self.num_syncs += 1
+        if self._verify is None:
+            return
         anchors = self.config.overlap and not self.config.in_place
         synced = [self._anchor[i] for i in fr.xindices] if anchors else [s.local for s in fr.xslots]
         self._verify.after_apply(fr.index, fr.name, fr.sync_step, synced,
@@ -492,12 +498,13 @@ class FedAvg:
                           "so the loop waits for them; raise overlap_steps (<= sync_every), use fragments "
                           "or a faster codec", stacklevel=7)  # NOTE: the loop's line, past two no_grad wrappers
 
-    def _measured(self, seconds: float) -> None:
-        """``overlap_steps="auto"``: an exchange applied on time took ``seconds``; once measured,
-        the largest proposal of the federation group, from now on (every rank of a group must
-        apply at the same step; the groups need not agree)."""
+    def _measured(self, job: Job) -> None:
+        """``overlap_steps="auto"``: an exchange applied on time (``job``); while measuring, its
+        seconds (on CUDA a wait for its end event: only then), and once measured the largest
+        proposal of the federation group, from now on (every rank of a group must apply at the
+        same step; the groups need not agree)."""
         auto = self.auto_overlap
-        if auto is None or not auto.measuring or (proposal := auto.sample(seconds)) is None:
+        if auto is None or not auto.measuring or (proposal := auto.sample(job.seconds())) is None:
             return
         k = torch.tensor([proposal], dtype=torch.int32, device=self._links.device)
         self._links.group.all_reduce(k, op="max")

@@ -8,7 +8,7 @@ runs steps 1, 3-5 of :mod:`flcomm.federated.fedavg`'s algorithm on them: :meth:`
 schedule (which fragment starts and applies at which step), the arenas and the persistence; a
 fragment reaches the rest through its :class:`Links` (the transports and engine lane, which an
 elastic membership change rebinds) and three callbacks: ``on_late`` (its exchanges keep running
-past their apply), ``on_measured`` (an exchange's seconds, for ``overlap_steps="auto"``) and, in an
+past their apply), ``on_measured`` (an exchange applied on time, for ``overlap_steps="auto"``) and, in an
 elastic federation, ``settle`` (the round protocol's wait).
 
 Memory (:func:`memory_stats`): the paper's mode keeps nothing but two staging buckets; the other
@@ -23,7 +23,7 @@ its own: :mod:`flcomm.federated.exchange`). docs/memory.md has the measurements.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -59,12 +59,15 @@ class Links:
     group: Transport  # the federation group (the loop's)
     agree: Transport | None  # the job's refusal agreement (a private group transport); None: at the apply
     timeout: timedelta
-    natives: list[Transport]  # the mesh's native transports, whose watchdog verdicts an apply reads
+    # the mesh's native transports now (private ones are made later), whose watchdog verdicts an apply reads
+    natives: Callable[[], list[Transport]]
     exposure: ExposedTime
     fed: Transport | None = None  # the fed group (None until a rejoining group is admitted)
     fed_ranks: list[int] | None = None
     engine: ProgressEngine | None = None
     rank: int = 0
+    fed_index: int = field(init=False, default=0)  # this rank's index among fed_ranks
+    fed_rank_index: Tensor | None = field(init=False, default=None)  # fed_ranks on the device
 
     def bind(self, fed: Transport | None, fed_ranks: list[int], engine: ProgressEngine) -> None:
         self.fed, self.fed_ranks, self.engine = fed, fed_ranks, engine
@@ -89,7 +92,7 @@ class Fragment:
     def __init__(self, index: int, offset: int, indices: list[int], slots: list[Slot], own: list[Tensor] | None,
                  links: Links, *,
                  name_index: bool, own_span: Tensor | None, on_late: Callable[[Fragment], None],
-                 on_measured: Callable[[float], None],
+                 on_measured: Callable[[Job], None],
                  settle: Callable[[Fragment, Job, int], ExchangeResult] | None = None) -> None:
         self.index, self.offset, self.indices, self.slots, self.own = index, offset, indices, slots, own
         self.links = links
@@ -205,7 +208,7 @@ class Fragment:
         self.applied += 1
         wf = self.world_flags  # NOTE: on the device until this one host read (after the window)
         links.exposure.end(window)
-        if read_refusal(wf, [links.fed, *links.natives], f"FedAvg {self.name}"):
+        if read_refusal(wf, [links.fed, *links.natives()], f"FedAvg {self.name}"):
             if self.exchange is not None:
                 self.exchange.sanitize()
             raise non_finite_error(wf, links.topology, links.fed_ranks, f"FedAvg sync of {self.name}")
@@ -213,7 +216,7 @@ class Fragment:
             # NOTE: piece by piece along the buckets: no full-size copy of an offloaded own copy
             self.exchange.add_own([s.local for s in self.xslots])
         if on_time:
-            self.on_measured(job.seconds())
+            self.on_measured(job)
 
     def memory_bytes(self) -> dict[str, int]:
         """Its exchange's bytes (:meth:`BucketedAllReduce.memory_bytes`) and its flags'."""

@@ -90,24 +90,21 @@ class ReplicaCheck:
     fragments it waits for the other fragment's exchange in flight: a debug setting, not a free
     one."""
 
-    def __init__(self, enabled: bool, topology: Topology, rank: int, device: torch.device, group: Transport,
+    def __init__(self, topology: Topology, rank: int, device: torch.device, group: Transport,
                  over_fed: Callable[[str, Callable[[Transport], Any]], Any]) -> None:
-        self.enabled, self.topology, self.rank, self.device = enabled, topology, rank, device
+        self.topology, self.rank, self.device = topology, rank, device
         self.group, self.over_fed = group, over_fed
         self._start: dict[int, Tensor] = {}
 
     def at_start(self, key: int, sharded: list[Tensor], plain: list[Tensor]) -> None:
         """The hashes of a sync's ``sharded`` parameters (equal over their replicas) and ``plain``
         ones (equal over the federation group), as the sync ``key`` starts."""
-        if self.enabled:
-            self._start[key] = torch.stack([_combine(sharded, self.device), _combine(plain, self.device)])
+        self._start[key] = torch.stack([_combine(sharded, self.device), _combine(plain, self.device)])
 
     def after_apply(self, key: int, sync: str, step: int, synced: list[Tensor], what: str) -> None:
         """Raise :class:`ReplicaMismatchError` on every rank when the start hashes of sync ``key``
         (``sync`` names it, ``step`` its local step) differed inside a federation group, or
         ``synced`` (``what`` they are) differs over the fed group."""
-        if not self.enabled:
-            return
         topo, gt, rank, dev = self.topology, self.group, self.rank, self.device
         sync = f"the sync of {sync}"
         mine = _replica_error(topo, sync, step, *_gather(gt, rank, self._start.pop(key)))

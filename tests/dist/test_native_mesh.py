@@ -195,3 +195,27 @@ def test_the_exchange_communicators_take_the_cta_policy_and_the_others_keep_nccl
         assert out["policies"] == {"fed": v, "replicate_exchange": v, "shard": -1, "replicate": -1, "group": -1}, out
         assert "one of the loaded NCCL's CTA policies (default, efficiency, zero), got 'fastest'" in out["native"]
         assert "exchange_cta_policy needs transport='native'" in out["torch"] and "'zero'" in out["torch"]
+
+
+def _watched_at_apply(rank, world):
+    from flcomm.federated.fedavg import FedAvg
+    from tests.common import fake_nccl
+    from tests.common.fedavg_harness import build, fed_mesh
+
+    with fake_nccl.installed():
+        fm = fed_mesh(world, 2, 1, "native")  # FL+HSDP: R = 2 replicas, the sharded exchange
+        _, model, opt = build(world, 2, 1, "fsdp2", mesh=fm)
+        fed = FedAvg(model, fm, sync_every=2, codec="int8", error_feedback=True, inner_optimizer=opt)
+        rep = fm.exchange_replicate_transport(None)  # NOTE: made by FedAvg, after its own set-up began
+        watched = fed._links.natives()
+        return {"sharded": fed.sharded_exchange, "rep": any(t is rep for t in watched),
+                "agree": any(t is fm.private_transport("flags_agree", "group") for t in watched),
+                "all": all(any(t is w for w in watched) for t in fm.native_transports())}
+
+
+def test_an_apply_reads_the_verdict_of_every_native_transport_the_exchange_uses():
+    """The watchdog verdicts an apply reads before trusting the refusal flags (read_refusal) are
+    those of every native communicator of the mesh as of the apply: the private ones FedAvg made
+    for itself (the replicas' gather, the flags' agreement) included."""
+    for out in run_distributed(_watched_at_apply, 4, timeout=120):
+        assert out == {"sharded": True, "rep": True, "agree": True, "all": True}, out
