@@ -14,11 +14,21 @@ keeps it (:meth:`AutoOverlap.settle`), logs it once, and saves it with its state
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from flcomm.comm.base import Transport
 
 __all__ = ["MARGIN", "SAMPLES", "AutoOverlap", "steps_to_hide"]
+
+_log = logging.getLogger("flcomm.federated.fedavg")
 
 MARGIN = 1.25  # the exchange must fit in k steps with this much room (jitter, a slower step)
 SKIP = 1  # exchanges left out of the measurement (one-time costs)
@@ -75,6 +85,19 @@ class AutoOverlap:
         if len(self._samples) < SAMPLES:
             return None
         return max(steps_to_hide(x, s, self.k_max) for x, s in self._samples)
+
+    def applied(self, seconds: Callable[[], float], group: Transport, device: torch.device, step: int) -> None:
+        """An exchange was applied on time: while measuring, its ``seconds()`` (on CUDA a wait
+        for its end event: only then) are sampled; once this rank proposes, the largest proposal
+        of the federation group (``group``) is taken from now on (every rank of a group must
+        apply at the same step; the groups need not agree) and logged at ``step``."""
+        if not self.measuring or (proposal := self.sample(seconds())) is None:
+            return
+        k = torch.tensor([proposal], dtype=torch.int32, device=device)
+        group.all_reduce(k, op="max")
+        self.settle(int(k.item()))
+        _log.info("FedAvg: overlap_steps='auto' chose k=%d at step %d (exchange %.3f s, step %.3f s, k_max %d)",
+                  self.k, step, self.exchange_s or 0.0, self.step_s or 0.0, self.k_max)
 
     def settle(self, k: int) -> None:
         """Use ``k`` from now on (the world's agreed choice, or a checkpoint's)."""

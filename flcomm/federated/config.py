@@ -160,6 +160,10 @@ class FedAvgConfig:
                                                                     "--overlap-steps auto"}})
     fragments: int = _setting(1, "K, dividing E: sync 1/K of the shard every E/K steps", "Streaming DiLoCo",
                               resume=1)
+    sync_period_s: float | None = _setting(None, "T: sync on the wall clock every T seconds instead of every E "
+                                                 "steps; each federation group runs the steps that fit and its "
+                                                 "delta is weighted by its tokens, so no group waits for a slow "
+                                                 "one (flcomm.federated.pacing; docs/stragglers.md)")
     bucket_cap_mb: float = _setting(25.0, "bucket size of the exchange, in MiB (DDP's name; bucket_mb before)",
                                     also={"--bucket-mb": {"type": float, "help": argparse.SUPPRESS}})
     offload: str | None = _setting(None, "'cpu': keep the anchor, own copy, momentum and residuals in host "
@@ -208,6 +212,12 @@ class FedAvgConfig:
                     self.sync_every, also=f" (at most sync_every) or {AUTO!r}")
         if self.fragments > 1 and self.inner_state != InnerState.KEEP.value:
             raise ValueError(f"inner_state={self.inner_state!r} is not supported with fragments > 1 (only 'keep')")
+        if self.sync_period_s is not None:
+            set_(self, "sync_period_s", number("sync_period_s (T, seconds between syncs)", self.sync_period_s, 0,
+                                               lo_open=True))
+            if self.overlap_steps == AUTO:
+                raise ValueError(f"overlap_steps={AUTO!r} measures against E / K steps, which sync_period_s="
+                                 f"{self.sync_period_s:g} replaces: give overlap_steps as an integer k")
         number("bucket_cap_mb", self.bucket_cap_mb, 0, lo_open=True)
         if self.offload not in (None, "cpu"):
             raise ValueError(f"offload must be None or 'cpu', got {self.offload!r}")
@@ -224,6 +234,11 @@ class FedAvgConfig:
     def overlap(self) -> bool:
         """The exchanges are applied later, while training goes on (``overlap_steps`` != 0)."""
         return self.overlap_steps != 0
+
+    @property
+    def timed(self) -> bool:
+        """The syncs follow the wall clock (``sync_period_s``), not the step count."""
+        return self.sync_period_s is not None
 
     @property
     def in_place(self) -> bool:
@@ -251,6 +266,10 @@ class FedAvgConfig:
     def check_elastic(self) -> None:
         """ValueError for the settings an elastic federation (:mod:`flcomm.federated.elastic`)
         does not support."""
+        if self.timed:
+            raise ValueError(f"sync_period_s={self.sync_period_s:g} is not supported by an elastic federation yet (its "
+                             "rounds are named and rejoined by step, which differs between groups here): use "
+                             "sync_every, or run without --elastic")
         if self.fragments > 1 and self.overlap:
             raise ValueError("an elastic federation does not support overlap with fragments > 1 (a membership "
                              "change would meet another fragment's round in flight); use one of them")

@@ -157,11 +157,14 @@ class DeltaExchange:
     def work_dtypes(self) -> list[torch.dtype]:
         return [bucket_dtype(d, self.in_place) for d in self.bar.dtypes]
 
-    def run(self, job: Job, locals_: list[Tensor], skip: Tensor | None = None) -> ExchangeResult:
+    def run(self, job: Job, locals_: list[Tensor], skip: Tensor | None = None,
+            weight: Tensor | None = None) -> ExchangeResult:
         """One exchange on the engine's thread (``job`` names the stages); ``locals_`` are the
         local shards as of the sync (read unless overlapping, written unless overlapping).
         ``skip``: a 0-dim bool on the device, the same on every rank of the group; when True no
-        bucket is applied (the collectives still run, so nothing is read on the host)."""
+        bucket is applied (the collectives still run, so nothing is read on the host).
+        ``weight``: a 0-dim float64 on the device that multiplies what is packed, before the codec
+        (the timed mode's ``F t_g / sum(t)``, :mod:`flcomm.federated.pacing`); None: 1."""
         bad = torch.zeros(self.bar.num_buckets, dtype=torch.bool, device=self.bar.device)
         bucket = [0]
 
@@ -175,7 +178,13 @@ class DeltaExchange:
             ok = ~nf if skip is None else ~(nf | skip)
             self._unpack(segs, flat, locals_, ok)
 
-        self.bar.run_pipeline(job, lambda segs, flat: self._pack(segs, flat, locals_), unpack)
+        def pack(segs: list[Segment], flat: Tensor) -> None:
+            self._pack(segs, flat, locals_)
+            if weight is not None:
+                for s in segs:
+                    flat[s.bucket_offset: s.bucket_offset + s.length].mul_(weight)
+
+        self.bar.run_pipeline(job, pack, unpack)
         return ExchangeResult(bad)
 
     @staticmethod

@@ -47,6 +47,8 @@ Streaming fragments (``fragments=K``, K dividing E): the tensors are cut into K 
 about equal size (:func:`~flcomm.federated.shards.partition`); fragment k runs steps 1-5 on its
 tensors at the steps with ``(step - k E / K) % E == 0``, so each sync moves 1/K of the shard
 (Streaming DiLoCo).
+By time (``sync_period_s`` = T, for stragglers) fragments sync on the wall clock instead; each group
+runs the steps that fit and its delta weighs by its tokens (the rule: :mod:`flcomm.federated.pacing`).
 With ``overlap_steps > E / K`` a fragment's apply meets another fragment's exchange in flight.
 
 Each fragment is a :class:`~flcomm.federated.fragment.Fragment` (its tensors, exchange, flags and
@@ -73,8 +75,6 @@ redo / restore / rebind / handover as callbacks.
 
 from __future__ import annotations
 
-import logging
-import warnings
 from collections.abc import Callable
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
@@ -88,21 +88,20 @@ from flcomm.federated.autotune import AutoOverlap
 from flcomm.federated.config import AUTO, FedAvgConfig, check_inputs, one_device, renamed
 from flcomm.federated.exchange import DeltaExchange, ExchangeBuffers, ExchangeResult
 from flcomm.federated.exposure import ExposedTime, cuda_event
-from flcomm.federated.fragment import LATE_EXCHANGES, Fragment, Links, memory_stats
+from flcomm.federated.fragment import Fragment, Links, memory_stats
 from flcomm.federated.inner import InnerState, sync_inner_state
 from flcomm.federated.outer import Outer, OuterOptimizer
+from flcomm.federated.pacing import RoundRecord, StepSchedule, TimedSchedule
 from flcomm.federated.persist import FedAvgCheckpoint
 from flcomm.federated.sharding import StepOrder, check_sharding
 from flcomm.federated.shards import broadcast, check_same_shards, collect_slots, partition
 from flcomm.federated.verify import ReplicaCheck
+from flcomm.validate import integer
 
 if TYPE_CHECKING:
     from flcomm.comm.base import Transport
     from flcomm.federated.elastic import Federation
     from flcomm.federated.mesh import FedMesh
-
-_log = logging.getLogger(__name__)
-
 
 
 class FedAvg:
@@ -130,6 +129,8 @@ class FedAvg:
         sync_module_states: broadcast the model from federation group 0 at construction, so all
             groups start from one point (the algorithm assumes it; FSDP's name, deprecated
             ``sync_init``).
+        clock: the seconds ``sync_period_s`` follows (:class:`~flcomm.federated.pacing.TimedSchedule`;
+            default ``time.time``); a simulation passes its own.
 
     Attributes:
         config: the :class:`~flcomm.federated.config.FedAvgConfig` in use.
@@ -139,13 +140,15 @@ class FedAvg:
         exposed_comm_s: cumulative seconds the training loop was blocked on the exchange (see
             the property); with overlap only the part the compute did not hide.
         num_syncs: exchanges applied so far.
+        rounds: the timed mode's applied rounds, :class:`~flcomm.federated.pacing.RoundRecord`.
         steps: ``step()`` calls so far.
         sharded_exchange: each replica exchanges 1/R of the shard (see the property).
     """
 
     def __init__(self, model: nn.Module, mesh: FedMesh, config: FedAvgConfig | None = None, *,
                  inner_optimizer: torch.optim.Optimizer | None = None, federation: Federation | None = None,
-                 sync_module_states: bool = True, replicated: bool = False, **settings: Any) -> None:
+                 sync_module_states: bool = True, replicated: bool = False,
+                 clock: Callable[[], float] | None = None, **settings: Any) -> None:
         optimizer = renamed(settings, "optimizer", "inner_optimizer", inner_optimizer, None)
         sync_init = renamed(settings, "sync_init", "sync_module_states", sync_module_states, True)
         cfg = self.config = FedAvgConfig.make(config, **settings)
@@ -159,7 +162,9 @@ class FedAvg:
         self.steps = self.num_syncs = 0
         self._exposure = ExposedTime(events=False)
         self._frags: list[Fragment] = []
-        self._warned_slow = False  # NOTE: the late-exchange warning, once
+        self._schedule = (TimedSchedule(cfg.sync_period_s, cfg.fragments, clock) if cfg.timed
+                          else StepSchedule(cfg.sync_every, cfg.fragments))
+        self.rounds: list[RoundRecord] = self._schedule.rounds  # NOTE: the timed mode's (the caller may clear it)
         self._outer = OuterOptimizer(cfg.outer_kind, cfg.outer_lr, cfg.outer_momentum)
         self._kind, self.slots = collect_slots(model)
         check_sharding(model, mesh, self._kind, replicated)
@@ -226,6 +231,8 @@ class FedAvg:
             # NOTE: a one-to-all broadcast ends at different times on different groups (seconds on a
             # slow link): the wait is paid now, not by the first sync's step
             self._align()
+        if isinstance(self._schedule, TimedSchedule):
+            self._schedule.agree_start(links.group, fed, device)
         work = [bucket_dtype(t.dtype, cfg.in_place) for t in locals_]
         home = torch.device("cpu") if cfg.offload else device
         pin = cfg.offload is not None and device.type == "cuda"
@@ -249,7 +256,7 @@ class FedAvg:
             self._frags.append(Fragment(
                 f, f * cfg.sync_every // cfg.fragments, part, [self.slots[i] for i in part], own, links,
                 name_index=cfg.fragments > 1, own_span=span(own) if own is not None and cfg.offload is None else None,
-                on_late=self._late, on_measured=self._measured, settle=self._settle if elastic else None))
+                on_measured=self._measured, settle=self._settle if elastic else None))
         self._build_exchanges()
 
     def _build_exchanges(self) -> None:
@@ -260,7 +267,8 @@ class FedAvg:
         self._staging = StagingPool()
         # NOTE: overlapping fragments (an apply while another fragment's exchange is in flight,
         # whose job writes the pool's scratch): the apply stages through a scratch of its own
-        overlapping = cfg.overlap and self.overlap_steps > cfg.sync_every // cfg.fragments
+        overlapping = cfg.overlap and (cfg.timed and cfg.fragments > 1 or
+                                       self.overlap_steps > cfg.sync_every // cfg.fragments)
         for fr in self._frags:
             x = fr.xindices
             old = fr.state_dict() if fr.exchange is not None else None
@@ -277,11 +285,15 @@ class FedAvg:
                     pass
 
     # ---------------------------------------------------------------- public API
-    def step(self, skipped: bool = False) -> bool:
+    def step(self, skipped: bool = False, tokens: int | None = None) -> bool:
         """Call once after every ``optimizer.step()``. Applies an exchange in flight when its
-        ``overlap_steps`` have passed, and starts one every ``sync_every`` steps. Returns True
-        when a sync was started or applied. An exchange that failed in the engine raises here.
-        ``skipped``: this step's optimizer step was left out on purpose (the order check)."""
+        ``overlap_steps`` have passed, and starts one every ``sync_every`` steps (or when
+        ``sync_period_s`` has passed: :mod:`flcomm.federated.pacing`). Returns True when a sync
+        was started or applied. An exchange that failed in the engine raises here.
+        ``skipped``: this step's optimizer step was left out on purpose (the order check).
+        ``tokens``: what this rank trained on in the step, which weighs its group's delta in the
+        timed mode (None: 1)."""
+        tokens = 1 if tokens is None else integer("FedAvg.step(tokens=...), this rank's tokens in the step", tokens, 0)
         self._order.check(self.steps + 1, skipped)
         self.steps += 1
         if not self.federated:
@@ -302,7 +314,11 @@ class FedAvg:
                 if self.steps >= fr.apply_at:
                     self._apply(fr, on_time=True)
                     did = True
-        for fr in self._starting(self.steps):
+        for f in self._schedule.due(self.steps, tokens):
+            fr = self._frags[f]
+            if fr.job is not None:  # NOTE: timed: its next event came before its apply
+                self._apply(fr)
+            self._schedule.hand(fr)  # NOTE: timed: the round's counts
             self._start(fr)
             if not self.config.overlap:
                 self._apply(fr)
@@ -310,16 +326,19 @@ class FedAvg:
         return did
 
     @property
+    def sync_events(self) -> int:
+        """Syncs started so far, each fragment's counted (the timed mode: the sync events p)."""
+        return self._schedule.events
+
+    @property
     def overlap_steps(self) -> int:
         """k now: the config's, or with ``"auto"`` the measured choice (k_max until it is made)."""
         return self.auto_overlap.k if self.auto_overlap is not None else int(self.config.overlap_steps)
 
     def starts_sync(self, step: int) -> bool:
-        """Whether step ``step`` (1-based, as :attr:`steps`) starts a fragment's sync; never with one group."""
-        return bool(self._starting(step))
-
-    def _starting(self, step: int) -> list[Fragment]:
-        return [fr for fr in self._frags if (step - fr.offset) % self.config.sync_every == 0]
+        """Whether step ``step`` (1-based, as :attr:`steps`) starts a fragment's sync, known before
+        it runs; never with one group, nor in the timed mode (decided at the step's end)."""
+        return self.federated and self._schedule.predictable(step)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
         """Call :meth:`step` after every ``optimizer.step()`` through a step post-hook, instead of
@@ -373,6 +392,8 @@ class FedAvg:
         if self.in_flight:
             raise RuntimeError("FedAvg.state_dict() with an exchange in flight: call finish() first")
         sd = self._checkpoint.save(self.steps, self.num_syncs, self.exposed_comm_s)
+        if isinstance(self._schedule, TimedSchedule):
+            sd["pacing"] = self._schedule.state_dict()  # NOTE: the event count and the counts since each sync
         if self.auto_overlap is not None:
             sd["overlap_steps"] = self.auto_overlap.chosen  # NOTE: a resume keeps the measured choice
         return sd
@@ -394,6 +415,8 @@ class FedAvg:
             self.auto_overlap.settle(sd["overlap_steps"])
         if exposed is not None:
             self.exposed_comm_s = exposed
+        if isinstance(self._schedule, TimedSchedule) and "pacing" in sd:
+            self._schedule.load_state_dict(sd["pacing"])
 
     # ---------------------------------------------------------------- elastic federation
     def _settle(self, fr: Fragment, job: Job, nb: int) -> ExchangeResult:
@@ -483,6 +506,7 @@ class FedAvg:
         ``on_time``: applied ``overlap_steps`` after its start (not early by :meth:`finish`)."""
         fr.apply(on_time)
         self.num_syncs += 1
+        self._schedule.record(fr, [self.topology.coords(r).group for r in self._links.fed_ranks])
         if self._verify is None:
             return
         anchors = self.config.overlap and not self.config.in_place
@@ -490,24 +514,7 @@ class FedAvg:
         self._verify.after_apply(fr.index, fr.name, fr.sync_step, synced,
                                  "anchors (the sync-step averages)" if anchors else "local shards")
 
-    def _late(self, fr: Fragment) -> None:
-        if not self._warned_slow:
-            self._warned_slow = True
-            warnings.warn(f"FedAvg: the exchanges up to step {fr.sync_step} were still running "
-                          f"{self.overlap_steps} step(s) after they started ({LATE_EXCHANGES} in a row), "
-                          "so the loop waits for them; raise overlap_steps (<= sync_every), use fragments "
-                          "or a faster codec", stacklevel=7)  # NOTE: the loop's line, past two no_grad wrappers
-
     def _measured(self, job: Job) -> None:
-        """``overlap_steps="auto"``: an exchange applied on time (``job``); while measuring, its
-        seconds (on CUDA a wait for its end event: only then), and once measured the largest
-        proposal of the federation group, from now on (every rank of a group must apply at the
-        same step; the groups need not agree)."""
-        auto = self.auto_overlap
-        if auto is None or not auto.measuring or (proposal := auto.sample(job.seconds())) is None:
-            return
-        k = torch.tensor([proposal], dtype=torch.int32, device=self._links.device)
-        self._links.group.all_reduce(k, op="max")
-        auto.settle(int(k.item()))
-        _log.info("FedAvg: overlap_steps='auto' chose k=%d at step %d (exchange %.3f s, step %.3f s, k_max %d)",
-                  auto.k, self.steps, auto.exchange_s or 0.0, auto.step_s or 0.0, auto.k_max)
+        """``overlap_steps="auto"``: an exchange applied on time (:meth:`AutoOverlap.applied`)."""
+        if self.auto_overlap is not None:
+            self.auto_overlap.applied(job.seconds, self._links.group, self._links.device, self.steps)

@@ -7,9 +7,11 @@ runs steps 1, 3-5 of :mod:`flcomm.federated.fedavg`'s algorithm on them: :meth:`
 :meth:`Fragment.apply` (wait, agree on a refusal, the overlap correction). FedAvg keeps the
 schedule (which fragment starts and applies at which step), the arenas and the persistence; a
 fragment reaches the rest through its :class:`Links` (the transports and engine lane, which an
-elastic membership change rebinds) and three callbacks: ``on_late`` (its exchanges keep running
-past their apply), ``on_measured`` (an exchange applied on time, for ``overlap_steps="auto"``) and, in an
-elastic federation, ``settle`` (the round protocol's wait).
+elastic membership change rebinds) and two callbacks: ``on_measured`` (an exchange applied on
+time, for ``overlap_steps="auto"``) and, in an elastic federation, ``settle`` (the round
+protocol's wait). Exchanges that keep running past their apply make it warn, once per FedAvg.
+In the timed mode (:mod:`flcomm.federated.pacing`) FedAvg sets the group's ``counts`` before
+:meth:`Fragment.submit`; the job sums them over the fed dim first and weighs the delta by them.
 
 Memory (:func:`memory_stats`): the paper's mode keeps nothing but two staging buckets; the other
 modes keep the anchor, plus the residual (error feedback, fp32 or ``residual_dtype="bf16"``), the
@@ -22,6 +24,7 @@ its own: :mod:`flcomm.federated.exchange`). docs/memory.md has the measurements.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -68,6 +71,7 @@ class Links:
     rank: int = 0
     fed_index: int = field(init=False, default=0)  # this rank's index among fed_ranks
     fed_rank_index: Tensor | None = field(init=False, default=None)  # fed_ranks on the device
+    warned_late: bool = field(init=False, default=False)  # the late-exchange warning was given (once)
 
     def bind(self, fed: Transport | None, fed_ranks: list[int], engine: ProgressEngine) -> None:
         self.fed, self.fed_ranks, self.engine = fed, fed_ranks, engine
@@ -91,8 +95,7 @@ class Fragment:
 
     def __init__(self, index: int, offset: int, indices: list[int], slots: list[Slot], own: list[Tensor] | None,
                  links: Links, *,
-                 name_index: bool, own_span: Tensor | None, on_late: Callable[[Fragment], None],
-                 on_measured: Callable[[Job], None],
+                 name_index: bool, own_span: Tensor | None, on_measured: Callable[[Job], None],
                  settle: Callable[[Fragment, Job, int], ExchangeResult] | None = None) -> None:
         self.index, self.offset, self.indices, self.slots, self.own = index, offset, indices, slots, own
         self.links = links
@@ -101,7 +104,7 @@ class Fragment:
         self.xindices = [i for i, s in zip(indices, slots) if s.local.numel() > 0]
         self.xslots = [s for s in slots if s.local.numel() > 0]
         self.own_span, self._name_index = own_span, name_index
-        self.on_late, self.on_measured, self.settle = on_late, on_measured, settle
+        self.on_measured, self.settle = on_measured, settle
         self.exchange: DeltaExchange | None = None
         self.flags = torch.zeros(0, dtype=torch.int32, device=links.device)
         # the world's bad ranks and an overflow bit, OR-ed over the federation group
@@ -113,6 +116,11 @@ class Fragment:
         self.late = 0  # consecutive exchanges still running when they were due (overlap)
         self.own_ready: Any = None  # offload on CUDA: an event after the copies of the local shards into own
         self.own_bad: Tensor | None = None  # this rank's non-finite flag at the sync (kept for an elastic redo)
+        # the timed mode (flcomm.federated.pacing): the group's (tokens, steps) in this round, set
+        # before submit; then the fed dim's, on the device (2 x F), once its job all-reduced them
+        self.counts: tuple[int, int] | None = None
+        self.tallies: Tensor | None = None
+        self.round = 0  # the timed mode's sync event of the exchange in flight (or last applied)
 
     @property
     def name(self) -> str:
@@ -156,15 +164,22 @@ class Fragment:
         links = self.links
         xlocals = [s.local for s in self.xslots]
         assert links.engine is not None and links.fed is not None
+        tallies = self.tallies = self._tallies()
         if links.engine.stream is not None:
-            for t in [self.flags, self.world_flags, *xlocals]:
+            for t in [self.flags, self.world_flags, *xlocals, *([] if tallies is None else [tallies])]:
                 t.record_stream(links.engine.stream)
         exchange, flags, transport, ready = self.exchange, self.flags, links.fed, self.own_ready
-        agree, wf, index = links.agree, self.world_flags, links.fed_rank_index
+        agree, wf, index, me = links.agree, self.world_flags, links.fed_rank_index, links.fed_index
 
         def run(job: Job) -> ExchangeResult:
             job.stage = "non-finite flags all-reduce"
             transport.all_reduce(flags, op="sum")
+            weight = None
+            if tallies is not None:
+                job.stage = "tokens all-reduce"
+                transport.all_reduce(tallies, op="sum")
+                # NOTE: F t_g / sum(t), on the device: the average becomes the token-weighted mean
+                weight = tallies[0, me].double() * tallies.shape[1] / tallies[0].sum()
             res = ExchangeResult()
             if exchange is not None:
                 if ready is not None:  # NOTE: offloaded on CUDA: own is written by asynchronous copies
@@ -172,13 +187,23 @@ class Fragment:
                     ready.synchronize()
                 # NOTE: every rank of the fed group sees the same flags: none applies a bucket; on
                 # the device, so the job never waits on the host between its collectives
-                res = exchange.run(job, xlocals, skip=flags.any())
+                res = exchange.run(job, xlocals, skip=flags.any(), weight=weight)
             if agree is not None:
                 job.stage, job.stage_group = AGREE_STAGE, "group"
                 or_flags(wf, index, flags, res, agree)
             return res
 
         return links.engine.submit(run, f"FedAvg exchange of {self.name}")
+
+    def _tallies(self) -> Tensor | None:
+        """The timed mode: this group's (tokens, steps) at its fed index of a 2 x F int64, which
+        the job sums over the fed dim; None by steps."""
+        if self.counts is None:
+            return None
+        links = self.links
+        t = torch.zeros(2, len(links.fed_ranks), dtype=torch.int64, device=links.device)
+        t[:, links.fed_index] = torch.tensor(self.counts, dtype=torch.int64)
+        return t
 
     @torch.no_grad()
     def apply(self, on_time: bool) -> None:
@@ -192,8 +217,12 @@ class Fragment:
         # and a single late one is jitter
         if on_time and self.own is not None and self.applied:
             self.late = self.late + 1 if not job.is_completed() else 0
-            if self.late == LATE_EXCHANGES:
-                self.on_late(self)
+            if self.late == LATE_EXCHANGES and not links.warned_late:
+                links.warned_late = True  # NOTE: once per FedAvg
+                warnings.warn(f"FedAvg: the exchanges up to step {self.sync_step} were still running "
+                              f"{self.apply_at - self.sync_step} step(s) after they started ({LATE_EXCHANGES} in a "
+                              "row), so the loop waits for them; raise overlap_steps (<= sync_every), use fragments "
+                              "or a faster codec", stacklevel=6)  # NOTE: the loop's line, past two no_grad wrappers
         window = links.exposure.begin()
         nb = self.exchange.bar.num_buckets if self.exchange is not None else 0
         if self.settle is None:

@@ -165,6 +165,11 @@ class TrainConfig:
             raise ValueError(f"fedavg must be a FedAvgConfig, got {type(self.fedavg).__name__}")
         if self.elastic:
             self.fedavg.check_elastic()
+        if self.fedavg.timed:
+            raise ValueError(f"--sync-period-s {self.fedavg.sync_period_s:g}: the reference trainer does not run "
+                             "FedAvg's timed mode yet (its run length, evaluations and checkpoints count steps, "
+                             "which differ between groups there); call flcomm.FedAvg(sync_period_s=...) from "
+                             "your own loop (docs/stragglers.md), or use --sync-every")
 
     @property
     def federated(self) -> bool:

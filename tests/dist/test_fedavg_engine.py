@@ -339,7 +339,7 @@ def late_warnings() -> list[dict]:
 
 @pytest.mark.parametrize("case", list(LATE_CASES))
 def test_overlap_that_cannot_hide_the_exchange_is_reported_once(late_warnings, case):
-    from flcomm.federated.fedavg import LATE_EXCHANGES
+    from flcomm.federated.fragment import LATE_EXCHANGES
 
     assert LATE_EXCHANGES == 3  # NOTE: the cases count on it
     warned_step = LATE_CASES[case][1]

@@ -25,7 +25,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 BAD = {
     "sync_every": 0, "codec": "zip", "block_size": 0, "error_feedback": "yes", "outer": "adam",
     "outer_lr": 0.0, "outer_momentum": 1.0, "inner_state": "x", "overlap_steps": 9, "fragments": 3,
-    "bucket_cap_mb": 0, "offload": "gpu", "residual_dtype": "fp8", "sharded_exchange": 1, "verify": "yes",
+    "sync_period_s": 0.0, "bucket_cap_mb": 0, "offload": "gpu", "residual_dtype": "fp8", "sharded_exchange": 1,
+    "verify": "yes",
 }
 
 
@@ -50,6 +51,9 @@ def test_a_bad_value_names_the_field_and_what_came(name):
     (dict(sync_every=4, fragments=2, inner_state="reset"), "not supported with fragments > 1"),
     (dict(sync_every=2, overlap_steps=3), r"in \[0, 2\] \(at most sync_every\) or 'auto', got 3"),
     (dict(overlap_steps="later"), "overlap_steps .* or 'auto', got 'later'"),
+    (dict(sync_period_s=float("inf")), r"sync_period_s \(T, seconds between syncs\) must be a finite number > 0"),
+    (dict(sync_period_s=2.5, overlap_steps=AUTO), "overlap_steps='auto' measures against E / K steps, which "
+                                                  "sync_period_s=2.5 replaces: give overlap_steps as an integer k"),
 ])
 def test_cross_field_rules(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -69,6 +73,10 @@ def test_normalized_values_and_derived_properties():
     assert FedAvgConfig(codec="fp8", block_size=32).codec_obj.block_size == 32
     with pytest.raises(ValueError, match="elastic federation does not support overlap with fragments"):
         FedAvgConfig(sync_every=4, fragments=2, overlap_steps=1).check_elastic()
+    with pytest.raises(ValueError, match="sync_period_s=3 is not supported by an elastic federation yet"):
+        FedAvgConfig(sync_period_s=3).check_elastic()
+    assert FedAvgConfig(sync_period_s=3).timed and not FedAvgConfig().timed
+    assert FedAvgConfig(sync_period_s=3).sync_period_s == 3.0 and FedAvgConfig(sync_period_s=3).in_place
     with pytest.raises(TypeError, match=r"unknown FedAvg setting\(s\) \['overlap'\] \(overlap is overlap_steps"):
         FedAvgConfig.make(overlap=True)
 

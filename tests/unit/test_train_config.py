@@ -58,6 +58,16 @@ def test_the_error_messages_name_the_strategy_by_name():
         TrainConfig(replicate_codec="int8")
 
 
+def test_the_timed_mode_is_refused_by_the_trainer_before_launch():
+    """Its steps differ between groups, so a run of --steps would end the groups at different
+    syncs: refused at the config, naming the flag and the way out."""
+    with pytest.raises(ValueError, match=r"--sync-period-s 2.5: the reference trainer does not run FedAvg's timed "
+                                         r"mode yet .* or use --sync-every$"):
+        TrainConfig(strategy="fl-fsdp", fedavg=FedAvgConfig(sync_period_s=2.5))
+    cfg = _config(_train_parser().parse_args(["--strategy", "fl-fsdp", "--sync-every", "4"]))
+    assert cfg.fedavg.sync_period_s is None
+
+
 def test_no_strategies_tuple_is_left():
     import flcomm.train
     import flcomm.train.config
