@@ -7,6 +7,8 @@ import importlib
 import subprocess
 import sys
 
+import pytest
+
 import flcomm
 
 SCRIPT_NAMES = {"Strategy", "Topology", "FedAvg", "FedAvgConfig", "Federation", "apply_hierarchical_collectives",
@@ -54,3 +56,22 @@ def test_every_package_export_resolves():
             assert obj is getattr(importlib.import_module(where), name), (pkg, name, where)
             if isinstance(obj, type) or callable(obj):
                 assert obj.__module__ == where, (pkg, name, obj.__module__, where)
+
+
+# NOTE: the names kept one release after a rename: (module, old name, new name)
+RENAMED = [
+    ("flcomm.costmodel.model", "PRESETS", "CLUSTER_PRESETS"),
+    ("flcomm.costmodel", "PRESETS", "CLUSTER_PRESETS"),
+    ("flcomm.train.model", "PRESETS", "MODEL_PRESETS"),
+    ("flcomm.train", "PRESETS", "MODEL_PRESETS"),
+]
+
+
+@pytest.mark.parametrize(("module", "old", "new"), RENAMED, ids=lambda x: str(x))
+def test_a_renamed_attribute_still_resolves_with_a_warning(module: str, old: str, new: str):
+    mod = importlib.import_module(module)
+    with pytest.warns(DeprecationWarning, match=rf"{module}\.{old} is deprecated: use {module}\.{new}"):
+        obj = getattr(mod, old)
+    assert obj is getattr(mod, new)
+    names = vars(mod).get("__all__")  # (not getattr: the module's __getattr__ is the one under test)
+    assert names is None or (old not in names and new in names)
