@@ -1,6 +1,6 @@
 """One fragment of FedAvg's averaged tensors, the unit of a sync (all of them when ``fragments=1``).
 
-A :class:`Fragment` owns its tensors' slots, its views of the anchor and own arenas, its
+A :class:`Fragment` owns its averaged tensors, its views of the anchor and own arenas, its
 :class:`~flcomm.federated.exchange.DeltaExchange`, its refusal flags and the job in flight, and
 runs steps 1, 3-5 of :mod:`flcomm.federated.fedavg`'s algorithm on them: :meth:`Fragment.start`
 (the flags, the own copy), :meth:`Fragment.submit` (the job of the progress engine) and
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from flcomm.comm.base import Transport
     from flcomm.comm.engine import Job, ProgressEngine
     from flcomm.federated.exchange import DeltaExchange
-    from flcomm.federated.shards import Slot
+    from flcomm.federated.shards import AveragedTensor
     from flcomm.federated.topology import Topology
 
 __all__ = ["AGREE_STAGE", "LATE_EXCHANGES", "Fragment", "Links", "memory_stats"]
@@ -84,13 +84,13 @@ class Links:
 
 
 class Fragment:
-    """The tensors ``slots`` (FedAvg's :class:`~flcomm.federated.shards.Slot`, at ``indices``
-    among its slots) that sync at the steps with ``(step - offset) % E == 0``; ``own``: their own
-    copies (overlap), else None; ``own_span``: those as one view, when on the device and end to
+    """The averaged tensors ``slots`` (:class:`~flcomm.federated.shards.AveragedTensor`, at
+    ``indices`` among FedAvg's) that sync at the steps with ``(step - offset) % E == 0``; ``own``:
+    their own copies (overlap), else None; ``own_span``: those as one view, when on the device and end to
     end (staging.span)."""
 
-    def __init__(self, index: int, offset: int, indices: list[int], slots: list[Slot], own: list[Tensor] | None,
-                 links: Links, *,
+    def __init__(self, index: int, offset: int, indices: list[int], slots: list[AveragedTensor],
+                 own: list[Tensor] | None, links: Links, *,
                  name_index: bool, own_span: Tensor | None, on_late: Callable[[Fragment], None],
                  on_measured: Callable[[Job], None],
                  settle: Callable[[Fragment, Job, int], ExchangeResult] | None = None) -> None:
@@ -233,7 +233,7 @@ def _nbytes(ts: list[Tensor] | None) -> int:
     return sum(t.numel() * t.element_size() for t in ts or [])
 
 
-def memory_stats(fragments: list[Fragment], kept: dict[str, list[Tensor] | None], slots: list[Slot],
+def memory_stats(fragments: list[Fragment], kept: dict[str, list[Tensor] | None], slots: list[AveragedTensor],
                  offloaded: bool, device: torch.device | None) -> dict[str, int]:
     """Bytes a FedAvg holds, per buffer kind (``anchor``, ``own``, ``momentum``: ``kept``, the
     arenas; ``residual``, ``staging``: the exchange's device pool of bucket buffers, offload

@@ -64,6 +64,7 @@ RENAMED = [
     ("flcomm.costmodel", "PRESETS", "CLUSTER_PRESETS"),
     ("flcomm.train.model", "PRESETS", "MODEL_PRESETS"),
     ("flcomm.train", "PRESETS", "MODEL_PRESETS"),
+    ("flcomm.federated.shards", "Slot", "AveragedTensor"),
 ]
 
 
