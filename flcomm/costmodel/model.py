@@ -405,11 +405,11 @@ def fedavg_shard_copies(plan: Plan, *, on_device: bool = True) -> float:
     """Full-size fp32 copies of a rank's shard that FedAvg keeps for ``plan`` (besides its
     buckets): none in the paper's mode (codec none, outer avg, no overlap, no error feedback:
     averaged in place, bucket by bucket); otherwise the anchor, plus the error-feedback residual
-    (half a copy with ``residual_dtype="bf16"``), the outer momentum (nesterov) and the own copy
-    (overlap) where the plan has them. ``on_device``: only what stays on the device (none with
-    ``offload="cpu"``: all in host memory). This is the accounting of
-    :meth:`flcomm.federated.fedavg.FedAvg.memory_stats` (``tests/dist/test_fedavg_engine.py``
-    ties the two; ``bench/memory.py`` measures it)."""
+    (half a copy with ``residual_dtype="bf16"``), the outer momentum (nesterov) and the
+    local-at-sync copy (overlap) where the plan has them. ``on_device``: only what stays on the
+    device (none with ``offload="cpu"``: all in host memory). This is the accounting of
+    :meth:`flcomm.federated.fedavg.FedAvg.memory_stats` (``tests/dist/test_fedavg_engine.py`` ties
+    the two; ``bench/memory.py`` measures it)."""
     cfg = plan.fedavg
     if not plan.strategy.federated or cfg.in_place or (on_device and cfg.offload is not None):
         return 0.0

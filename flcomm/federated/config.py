@@ -162,7 +162,7 @@ class FedAvgConfig:
                               resume=1)
     bucket_cap_mb: float = _setting(25.0, "bucket size of the exchange, in MiB (DDP's name; bucket_mb before)",
                                     also={"--bucket-mb": {"type": float, "help": argparse.SUPPRESS}})
-    offload: str | None = _setting(None, "'cpu': keep the anchor, own copy, momentum and residuals in host "
+    offload: str | None = _setting(None, "'cpu': keep the anchor, local-at-sync copy, momentum and residuals in host "
                                          "memory (page-locked on CUDA)")
     residual_dtype: str = _setting("fp32", f"dtype of the error-feedback residuals: {', '.join(RESIDUAL_DTYPES)}")
     sharded_exchange: bool | None = _setting(None, "FL+HSDP: each of the R replicas exchanges 1/R of the "

@@ -16,28 +16,28 @@ Algorithm of one sync (at local steps E, 2E, ...); steps 1-2 on the caller's thr
 job of the progress engine (:mod:`flcomm.comm.engine`), bucket by bucket
 (:mod:`flcomm.federated.exchange`):
 
-1. Flag whether this rank's shard is finite. With overlap, copy ``own = local`` (the local
-   shard keeps training while the exchange runs; the job packs ``own - anchor``, off this
-   thread: on the engine's stream, or offloaded on its thread).
+1. Flag whether this rank's shard is finite. With overlap, copy ``local_at_sync = local`` (the
+   local shard keeps training while the exchange runs; the job packs ``local_at_sync - anchor``,
+   off this thread: on the engine's stream, or offloaded on its thread).
 2. Inner optimizer state (:mod:`flcomm.federated.inner`): ``keep`` (the paper), ``average``
    (averaged over the fed group, uncompressed, blocking) or ``reset`` (cleared, as if new).
 3. All-reduce the flags over the fed group; if any rank's shard is not finite, no rank of the
    fed group applies any bucket (the flags stay on the device: the buckets are exchanged and
    left unapplied, so the job reads nothing on the host). After the buckets, the job ORs the
    fed group's flags and an overflow bit over the federation group (the refusal below).
-4. Per bucket: pack ``delta = local - anchor`` (or ``own``), average it over the fed group through
+4. Per bucket: pack ``delta = local - anchor`` (or ``local_at_sync``), average it over the fed group through
    the codec (error feedback keeps what compression dropped for the next round), and apply the
    outer update to the anchor: ``avg``: ``anchor += mean(delta)``; ``nesterov`` (DiLoCo):
    ``-mean(delta)`` is a pseudo-gradient for SGD with Nesterov momentum
    (:mod:`flcomm.federated.outer`). Buffers always take the plain average. Without overlap,
-   ``local = anchor``; with overlap, ``own = new_anchor - own`` (own: the local shard at the sync).
+   ``local = anchor``; with overlap, ``correction = new_anchor - local_at_sync`` (in its buffer).
    The paper's mode (codec none, ``avg``, no overlap, no error feedback) averages the shards
    themselves, in place, in their own dtype: no anchor, no delta.
 5. Apply, on the caller's thread, reading the flags on the host once: without overlap at once;
    with ``overlap_steps`` = k >= 1, k steps later (Streaming DiLoCo's tau; ``"auto"``: measured,
-   :mod:`flcomm.federated.autotune`), ``local += own``, i.e.::
+   :mod:`flcomm.federated.autotune`), ``local += correction``, i.e.::
 
-       local += own = new_anchor - local_at_sync     # = (new_anchor - old_anchor) - own_delta
+       local += correction = new_anchor - local_at_sync     # = (new_anchor - old_anchor) - delta
 
    the model becomes the average as of the sync step plus the local updates made while the
    exchange was in flight; those updates are part of the next round's delta, since the anchor
@@ -165,7 +165,7 @@ class FedAvg:
         check_sharding(model, mesh, self._kind, replicated)
         self._order = StepOrder(optimizer, model)
         self._anchor: list = []
-        self._own: list | None = None
+        self._local_at_sync: list | None = None
         self._replicate: Transport | None = None
         self._verify: ReplicaCheck | None = None  # verify=True
         if self.federated:
@@ -235,7 +235,7 @@ class FedAvg:
         with torch.no_grad():
             for a, t in zip(self._anchor, locals_):
                 a.copy_(t)
-        self._own = arena(specs, home, pin) if cfg.overlap else None
+        self._local_at_sync = arena(specs, home, pin) if cfg.overlap else None
         is_param = [s.is_param for s in self.slots]
         nesterov = cfg.outer_kind is Outer.NESTEROV
         params = [(tuple(a.shape), a.dtype) for a, p in zip(self._anchor, is_param) if p]
@@ -245,10 +245,11 @@ class FedAvg:
         parts = partition([s.numel for s in self.slots], cfg.fragments) if self.slots else [[]]
         self._replicate = mesh.exchange_replicate_transport(cfg.sharded_exchange, elastic)
         for f, part in enumerate(parts):
-            own = [self._own[i] for i in part] if self._own is not None else None
+            at_sync = [self._local_at_sync[i] for i in part] if self._local_at_sync is not None else None
             self._frags.append(Fragment(
-                f, f * cfg.sync_every // cfg.fragments, part, [self.slots[i] for i in part], own, links,
-                name_index=cfg.fragments > 1, own_span=span(own) if own is not None and cfg.offload is None else None,
+                f, f * cfg.sync_every // cfg.fragments, part, [self.slots[i] for i in part], at_sync, links,
+                name_index=cfg.fragments > 1,
+                local_at_sync_span=span(at_sync) if at_sync is not None and cfg.offload is None else None,
                 on_late=self._late, on_measured=self._measured, settle=self._settle if elastic else None))
         self._build_exchanges()
 
@@ -264,8 +265,9 @@ class FedAvg:
         for fr in self._frags:
             x = fr.xindices
             old = fr.state_dict() if fr.exchange is not None else None
+            at_sync = self._local_at_sync
             bufs = ExchangeBuffers(None if cfg.in_place else [self._anchor[i] for i in x],
-                                   None if self._own is None else [self._own[i] for i in x], self._outer,
+                                   None if at_sync is None else [at_sync[i] for i in x], self._outer,
                                    [self._mom[i] for i in x])
             fr.bind(DeltaExchange(fed, [s.local for s in fr.xslots], cfg, bufs, staging=self._staging,
                                   replicate=self._replicate, apply_scratch=overlapping)
@@ -362,7 +364,7 @@ class FedAvg:
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this FedAvg holds, per buffer kind (:func:`flcomm.federated.fragment.memory_stats`)."""
-        kept = {"anchor": self._anchor, "own": self._own, "momentum": self._outer.buffers}
+        kept = {"anchor": self._anchor, "own": self._local_at_sync, "momentum": self._outer.buffers}
         device = self._links.device if self.federated else None
         return memory_stats(self._frags, kept, self.slots, self.config.offload is not None, device)
 
@@ -458,7 +460,7 @@ class FedAvg:
         if not self.config.in_place:
             for s, a in zip(self.slots, self._anchor):
                 s.local.copy_(a)
-        for o in self._own or []:
+        for o in self._local_at_sync or []:
             o.zero_()
         self.steps = m.step
         return m.step

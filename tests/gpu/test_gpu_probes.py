@@ -820,7 +820,7 @@ def test_offload_bf16_fragments_bit_for_bit_on_cpu():
 def test_offload_bf16_fragments_bit_for_bit():
     """FedAvg with bf16 parameters, two fragments, Nesterov, overlap k = 2 > E / K = 1 (each
     apply meets the other fragment's exchange in flight: W2), over the slow wire (no delay), 8
-    steps, with offload="cpu" (anchors, own copies, momentum in pinned host memory) and
+    steps, with offload="cpu" (anchors, local-at-sync copies, momentum in pinned host memory) and
     without; each staged piece held in the scratch ~2 ms (:func:`_slow_staging`). Codec none,
     not int8 + error feedback as first asked: offload shrinks the buckets so that a bucket's
     device buffers fit in two buckets, which moves the int8 blocks and chunk boundaries, so lossy

@@ -300,7 +300,7 @@ def _all_plans(c, wl):
 
 def test_memory_per_rank_formula():
     """N = 1e6 on 2 nodes x 2: int8 + error feedback + nesterov + overlap keeps four fp32 copies of
-    the N / S shard (anchor, residual, momentum, own copy); the paper's mode none."""
+    the N / S shard (anchor, residual, momentum, local-at-sync copy); the paper's mode none."""
     wl = workload(fsdp_units=4, activation_bytes=123.0)
     full = Plan("fl-fsdp", group_size=2, shard_size=None,
                 fedavg=FedAvgConfig(sync_every=4, codec="int8", error_feedback=True, outer="nesterov", overlap_steps=1))

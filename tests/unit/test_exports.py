@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -76,3 +77,15 @@ def test_a_renamed_attribute_still_resolves_with_a_warning(module: str, old: str
     assert obj is getattr(mod, new)
     names = vars(mod).get("__all__")  # (not getattr: the module's __getattr__ is the one under test)
     assert names is None or (old not in names and new in names)
+
+
+def test_a_renamed_method_still_works_with_a_warning():
+    """``DeltaExchange.add_own`` (overlap's apply step) is ``add_correction`` now: it adds the
+    correction the unpack left in the local-at-sync buffer."""
+    from flcomm.federated.exchange import DeltaExchange
+
+    got: list = []
+    ex = types.SimpleNamespace(add_correction=got.append)
+    with pytest.warns(DeprecationWarning, match=r"DeltaExchange\.add_own\(\) is deprecated: use add_correction\(\)"):
+        DeltaExchange.add_own(ex, ["local"])
+    assert got == [["local"]]
