@@ -167,7 +167,7 @@ class FedAvgConfig:
     residual_dtype: str = _setting("fp32", f"dtype of the error-feedback residuals: {', '.join(RESIDUAL_DTYPES)}")
     sharded_exchange: bool | None = _setting(None, "FL+HSDP: each of the R replicas exchanges 1/R of the "
                                                    "shard, then they all-gather (None: on when R > 1)")
-    verify: bool = _setting(False, "after every sync, compare 64-bit hashes of what the fed group and the "
+    verify: bool = _setting(False, "after every sync, compare 64-bit hashes of what the shard peers and the "
                                    "replicas must hold equal; a mismatch raises, naming the group, its ranks "
                                    "and the step")
 

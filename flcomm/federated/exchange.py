@@ -28,7 +28,7 @@ selects, on the device, whether its unpack changes anything (a bucket not applie
 local shard, anchor, momentum and local-at-sync copy as they were); the caller reads the flags once.
 
 Sharded across replicas (FL+HSDP, R > 1 replicas of each shard inside a group): replica r
-exchanges only slice r (1/R) of every bucket over the fed group, with the codec and the error
+exchanges only slice r (1/R) of every bucket over the shard peers, with the codec and the error
 feedback of that slice, and the averaged slices are all-gathered over a private replicate group
 (:meth:`FedMesh.exchange_replicate_transport`) before the unpack; every replica then applies the same whole
 bucket. Inter-group bytes per rank drop by R; the all-gather adds (R-1)/R of the bucket inside
@@ -121,7 +121,7 @@ class DeltaExchange:
     """Averages a rank's shards over ``transport`` (module docstring).
 
     Args:
-        transport: the fed group.
+        transport: the shard peers (the fed dim's group).
         tensors: the local shards (their shapes and dtypes define the layout).
         config: the settings (:class:`~flcomm.federated.config.FedAvgConfig`): its codec,
             ``bucket_cap_mb``, ``error_feedback``, ``offload`` (the anchors, local-at-sync copies,

@@ -20,12 +20,12 @@ job of the progress engine (:mod:`flcomm.comm.engine`), bucket by bucket
    local shard keeps training while the exchange runs; the job packs ``local_at_sync - anchor``,
    off this thread: on the engine's stream, or offloaded on its thread).
 2. Inner optimizer state (:mod:`flcomm.federated.inner`): ``keep`` (the paper), ``average``
-   (averaged over the fed group, uncompressed, blocking) or ``reset`` (cleared, as if new).
-3. All-reduce the flags over the fed group; if any rank's shard is not finite, no rank of the
-   fed group applies any bucket (the flags stay on the device: the buckets are exchanged and
+   (averaged over the shard peers, uncompressed, blocking) or ``reset`` (cleared, as if new).
+3. All-reduce the flags over the shard peers; if any rank's shard is not finite, none of the
+   shard peers applies any bucket (the flags stay on the device: the buckets are exchanged and
    left unapplied, so the job reads nothing on the host). After the buckets, the job ORs the
-   fed group's flags and an overflow bit over the federation group (the refusal below).
-4. Per bucket: pack ``delta = local - anchor`` (or ``local_at_sync``), average it over the fed group through
+   shard peers' flags and an overflow bit over the federation group (the refusal below).
+4. Per bucket: pack ``delta = local - anchor`` (or ``local_at_sync``), average it over the shard peers through
    the codec (error feedback keeps what compression dropped for the next round), and apply the
    outer update to the anchor: ``avg``: ``anchor += mean(delta)``; ``nesterov`` (DiLoCo):
    ``-mean(delta)`` is a pseudo-gradient for SGD with Nesterov momentum
@@ -58,7 +58,7 @@ federation group (by the job, on a private group transport, so the loop runs no 
 the apply; an elastic federation's redone rounds OR them at the apply), so every rank of every
 group raises the same
 :class:`~flcomm.federated.nonfinite.NonFiniteAverageError`; non-finite error-feedback residuals are
-zeroed. A fed group that saw a non-finite delta leaves its weights and anchor unchanged; other fed groups may have
+zeroed. Shard peers that saw a non-finite delta leave their weights and anchor unchanged; other shard peers may have
 applied theirs, so the error is fatal (restore a checkpoint). Only floating tensors are averaged
 (see :mod:`flcomm.federated.shards` for buffers). Precision is never cut: fp64 tensors travel in
 fp64 (codec none; a lossy codec refuses them).
@@ -180,7 +180,7 @@ class FedAvg:
             self._warm_up()
 
     def _align(self) -> None:
-        """A barrier over the group, then the fed group: every rank leaves together (counts no bytes)."""
+        """A barrier over the group, then the shard peers: every rank leaves together (counts no bytes)."""
         self._links.group.barrier()
         self._links.fed.barrier()
 
@@ -275,7 +275,7 @@ class FedAvg:
             if old is not None and fr.exchange is not None:
                 try:
                     fr.exchange.load_state_dict(old)
-                except ValueError:  # NOTE: another fed group size pads the buckets otherwise: residuals restart at 0
+                except ValueError:  # NOTE: other padding (another number of shard peers): residuals restart at 0
                     pass
 
     # ---------------------------------------------------------------- public API
@@ -387,7 +387,7 @@ class FedAvg:
     def load_state_dict(self, sd: dict, source_rank: int | None = None) -> None:
         """Restore what :meth:`state_dict` saved (same topology, model and outer/error-feedback
         configuration); clear errors otherwise. ``source_rank``: the rank whose entry to load
-        (default this rank's; an elastic resume may take a fed peer's of another group: same
+        (default this rank's; an elastic resume may take a shard peer's of another group: same
         anchor and momentum, and its residuals are dropped)."""
         if self.in_flight:
             raise RuntimeError("FedAvg.load_state_dict() with an exchange in flight: call finish() first")
@@ -411,7 +411,7 @@ class FedAvg:
         return res if res is not None else ExchangeResult()
 
     def cross_group(self, name: str, fn: Callable[[Transport], Any]) -> Any:
-        """Elastic: run ``fn(transport)`` (collectives over the fed group, e.g. the evaluation's
+        """Elastic: run ``fn(transport)`` (collectives over the shard peers, e.g. the evaluation's
         mean over the groups) as an agreed round named ``name``; after an abort, the membership
         round and ``fn`` again among the survivors. Without a federation, just ``fn``."""
         links = self._links

@@ -62,7 +62,7 @@ class Links:
     # the mesh's native transports now (private ones are made later), whose watchdog verdicts an apply reads
     natives: Callable[[], list[Transport]]
     exposure: ExposedTime
-    fed: Transport | None = None  # the fed group (None until a rejoining group is admitted)
+    fed: Transport | None = None  # the shard peers (None until a rejoining group is admitted)
     fed_ranks: list[int] | None = None
     engine: ProgressEngine | None = None
     rank: int = 0
@@ -76,7 +76,7 @@ class Links:
 
     def on_lane(self, name: str, fn: Callable[[Transport], Any], buckets: int) -> Any:
         """``fn(fed transport)`` as a job of the exchange's engine lane, waited: another fragment's
-        exchange may be in flight on the fed group, and two threads issuing there would
+        exchange may be in flight on the shard peers' transport, and two threads issuing there would
         interleave differently on different ranks."""
         assert self.engine is not None
         fed = self.fed
@@ -98,7 +98,7 @@ class Fragment:
         self.index, self.offset, self.indices, self.slots = index, offset, indices, slots
         self.local_at_sync = local_at_sync
         self.links = links
-        # NOTE: empty shards (FSDP uneven sharding) are left out of the exchange; the fed peers hold
+        # NOTE: empty shards (FSDP uneven sharding) are left out of the exchange; the shard peers hold
         # the same shard coordinates, so they leave out the same ones
         self.xindices = [i for i, s in zip(indices, slots) if s.local.numel() > 0]
         self.xslots = [s for s in slots if s.local.numel() > 0]
@@ -123,7 +123,7 @@ class Fragment:
         return f"step {self.sync_step}" + (f" (fragment {self.index})" if self._name_index else "")
 
     def bind(self, exchange: DeltaExchange | None) -> None:
-        """A new exchange (over the links' current fed group); the flags keep this rank's own."""
+        """A new exchange (over the links' current shard peers); the flags keep this rank's own."""
         self.exchange = exchange
         links = self.links
         self.flags = own_flags(len(links.fed_ranks), links.fed_index, self.own_bad, links.device)
@@ -176,7 +176,7 @@ class Fragment:
                 if ready is not None:  # NOTE: offloaded on CUDA: local_at_sync is written by asynchronous copies
                     job.stage = "copy of the local shards into local_at_sync"
                     ready.synchronize()
-                # NOTE: every rank of the fed group sees the same flags: none applies a bucket; on
+                # NOTE: all shard peers see the same flags: none applies a bucket; on
                 # the device, so the job never waits on the host between its collectives
                 res = exchange.run(job, xlocals, skip=flags.any())
             if agree is not None:

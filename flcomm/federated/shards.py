@@ -142,7 +142,7 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
 
 def fingerprint(slots: list[AveragedTensor]) -> Tensor:
     """[number of tensors, total elements, crc32 of names/shapes/dtypes/coordinates] as int64;
-    equal on all ranks of a fed group when they hold the same shards of the same model."""
+    equal on all shard peers when they hold the same shards of the same model."""
     desc = ";".join(f"{s.name}:{tuple(s.local.shape)}:{s.local.dtype}:{s.coord}:{int(s.is_param)}"
                     for s in slots)
     return torch.tensor([len(slots), sum(s.local.numel() for s in slots), zlib.crc32(desc.encode())],
@@ -154,7 +154,7 @@ def describe(slots: list[AveragedTensor]) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def check_same_shards(slots: list[AveragedTensor], transport: Transport, fed_ranks: list[int]) -> None:
-    """ValueError unless every rank of the fed group (``transport``, over ``fed_ranks``) holds
+    """ValueError unless all shard peers (``transport``, over ``fed_ranks``) hold
     the same shards of the same model (:func:`fingerprint`). Collective."""
     # NOTE: on the transport's device: NCCL groups cannot gather CPU tensors
     fp = fingerprint(slots).to(transport.device)
@@ -164,7 +164,7 @@ def check_same_shards(slots: list[AveragedTensor], transport: Transport, fed_ran
     if any(not torch.equal(g, got[0]) for g in got):
         rows = ", ".join(f"rank {r}: {int(g[0])} tensors / {int(g[1])} elements / layout {int(g[2]):08x}"
                          for r, g in zip(fed_ranks, got))
-        raise ValueError("the ranks of fed group "
+        raise ValueError("the shard peers "
                          f"{fed_ranks} do not hold the same shards of one model ({rows}); "
                          "every federation group must build the same model and shard it the same "
                          "way inside the group")
