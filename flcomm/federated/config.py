@@ -31,7 +31,7 @@ import torch
 from flcomm.codecs import CODECS, Codec, get_codec
 from flcomm.federated.inner import InnerState
 from flcomm.federated.outer import Outer
-from flcomm.kernels import BLOCKED_FORMATS
+from flcomm.ops.quant import BLOCKED_FORMATS
 from flcomm.validate import integer, number
 
 __all__ = ["AUTO", "RESIDUAL_DTYPES", "FedAvgConfig", "add_field_arguments", "check_inputs", "must_match_on_resume",

@@ -18,7 +18,7 @@ Modes (what a bucket's ``pack`` writes and its ``unpack`` does with the average)
   (:meth:`DeltaExchange.add_correction`), which keeps the local updates made while the exchange
   ran.
 
-A piece's unpack is one fused kernel (:func:`flcomm.apply.apply_average`) where nothing is
+A piece's unpack is one fused kernel (:func:`flcomm.ops.apply.apply_average`) where nothing is
 offloaded, the anchor moves by the step itself (avg; nesterov under overlap, whose step is
 scaled first) and the target (``local_at_sync``, or the local shard) has the anchor's dtype.
 
@@ -56,10 +56,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from flcomm.apply import apply_function
 from flcomm.collectives.bucketing import BucketedAllReduce, Segment
 from flcomm.collectives.staging import StagingPool, bucket_dtype
 from flcomm.federated.shards import nonfinite
+from flcomm.ops.apply import apply_function
 
 if TYPE_CHECKING:
     from flcomm.collectives.compressed import GatherPlan, TwoHopPlan

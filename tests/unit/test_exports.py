@@ -11,6 +11,7 @@ import types
 import pytest
 
 import flcomm
+from tests.common.imports import SHIMS
 
 SCRIPT_NAMES = {"Strategy", "Topology", "FedAvg", "FedAvgConfig", "Federation", "apply_hierarchical_collectives",
                 "ReplicaMismatchError",
@@ -89,3 +90,14 @@ def test_a_renamed_method_still_works_with_a_warning():
     with pytest.warns(DeprecationWarning, match=r"DeltaExchange\.add_own\(\) is deprecated: use add_correction\(\)"):
         DeltaExchange.add_own(ex, ["local"])
     assert got == [["local"]]
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(SHIMS.items()))
+def test_a_moved_module_still_imports_with_a_warning(old: str, new: str, monkeypatch):
+    """``flcomm.kernels`` / ``sparse`` / ``apply`` warn once on import and are the module of
+    ``flcomm.ops`` itself, so a name, or a patch of one, reaches the code."""
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated: it moved to {new}"):
+        mod = importlib.import_module(old)
+    assert mod is importlib.import_module(new) is sys.modules[old]
+    assert getattr(flcomm, old.rpartition(".")[2]) is mod
