@@ -8,7 +8,7 @@ For each device, format, block size and size:
      the fp32 accumulator; error feedback reads input and residual and writes residual and
      encoding; ``quant+dequant`` is a quantize followed by a dequantize (the issue's target);
   2. the native kernel (``backend="native"``), the plain-torch version (``backend="torch"``:
-     flcomm.kernels' reference, the same math in torch ops) and a plain copy that moves the same
+     flcomm.ops.quant's reference, the same math in torch ops) and a plain copy that moves the same
      bytes (``dst.copy_(src)`` of ``bytes/2``) are timed in rounds, interleaved, so machine load
      hits all three alike; each time is the median over rounds;
   3. ``gbps = bytes / time``; ``copy_gbps``: the same bytes at the copy's time (the ceiling);
@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from flcomm import kernels  # noqa: E402
+from flcomm.ops import quant  # noqa: E402
 
 KERNELS = ("quantize", "dequantize", "dequantize_acc", "error_feedback", "quant+dequant")
 
@@ -140,21 +140,21 @@ def bench_case(device: torch.device, fmt: str, block: int, numel: int, which: li
     res = (torch.randn(numel, generator=g) * 0.01).to(device)
     acc = torch.zeros(numel, device=device)
     out = torch.empty(numel, device=device)
-    E = kernels.encoded_nbytes(numel, fmt, block)
+    E = quant.encoded_nbytes(numel, fmt, block)
     buf = torch.empty(E, dtype=torch.uint8, device=device)
-    kernels.quantize(x, buf, fmt=fmt, block_size=block, backend="native")
+    quant.quantize(x, buf, fmt=fmt, block_size=block, backend="native")
     F = 4 * numel
     plans: dict[str, tuple[int, Callable[[str], Callable[[], object]]]] = {
-        "quantize": (F + E, lambda be: lambda: kernels.quantize(x, buf, fmt=fmt, block_size=block, backend=be)),
-        "dequantize": (E + F, lambda be: lambda: kernels.dequantize(buf, numel, out, fmt=fmt, block_size=block,
+        "quantize": (F + E, lambda be: lambda: quant.quantize(x, buf, fmt=fmt, block_size=block, backend=be)),
+        "dequantize": (E + F, lambda be: lambda: quant.dequantize(buf, numel, out, fmt=fmt, block_size=block,
                                                                     backend=be)),
-        "dequantize_acc": (E + 2 * F, lambda be: lambda: kernels.dequantize(
+        "dequantize_acc": (E + 2 * F, lambda be: lambda: quant.dequantize(
             buf, numel, acc, fmt=fmt, block_size=block, accumulate=True, backend=be)),
-        "error_feedback": (2 * F + F + E, lambda be: lambda: kernels.quantize_error_feedback(
+        "error_feedback": (2 * F + F + E, lambda be: lambda: quant.quantize_error_feedback(
             x, res, buf, fmt=fmt, block_size=block, backend=be)),
         "quant+dequant": (2 * (F + E), lambda be: lambda: (
-            kernels.quantize(x, buf, fmt=fmt, block_size=block, backend=be),
-            kernels.dequantize(buf, numel, out, fmt=fmt, block_size=block, backend=be))),
+            quant.quantize(x, buf, fmt=fmt, block_size=block, backend=be),
+            quant.dequantize(buf, numel, out, fmt=fmt, block_size=block, backend=be))),
     }
     records = []
     for name in which:
@@ -197,9 +197,9 @@ def main(argv: list[str] | None = None) -> list[KernelRecord]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", nargs="+", default=None, help="cpu and/or cuda (default: cpu, plus cuda if present)")
-    p.add_argument("--formats", nargs="+", default=list(kernels.FORMATS), choices=kernels.FORMATS)
+    p.add_argument("--formats", nargs="+", default=list(quant.FORMATS), choices=quant.FORMATS)
     p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
-    p.add_argument("--block-sizes", nargs="+", type=int, default=[kernels.DEFAULT_BLOCK_SIZE])
+    p.add_argument("--block-sizes", nargs="+", type=int, default=[quant.DEFAULT_BLOCK_SIZE])
     p.add_argument("--sizes", nargs="+", type=parse_size, default=[parse_size("64M")],
                    help="fp32 input sizes in bytes (K/M/G suffixes)")
     p.add_argument("--iters", type=int, default=5, help="calls per timed round")
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> list[KernelRecord]:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
     args = p.parse_args(argv)
-    if not kernels.native_supports("cpu"):
+    if not quant.native_supports("cpu"):
         p.error("flcomm._C has no quantization kernels: build it first (tools/dev_build.sh)")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -221,11 +221,11 @@ def main(argv: list[str] | None = None) -> list[KernelRecord]:
     print(HEADER, flush=True)
     for dev in devices:
         device = torch.device(dev)
-        if device.type == "cuda" and not (torch.cuda.is_available() and kernels.native_supports("cuda")):
+        if device.type == "cuda" and not (torch.cuda.is_available() and quant.native_supports("cuda")):
             print(f"# skipping {dev}: no GPU or no CUDA kernels built", flush=True)
             continue
         for fmt in args.formats:
-            blocks = args.block_sizes if fmt in kernels.BLOCKED_FORMATS else [kernels.DEFAULT_BLOCK_SIZE]
+            blocks = args.block_sizes if fmt in quant.BLOCKED_FORMATS else [quant.DEFAULT_BLOCK_SIZE]
             for block in blocks:
                 for size in args.sizes:
                     for r in bench_case(device, fmt, block, size // 4, args.kernels, args.iters, args.rounds,

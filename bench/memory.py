@@ -10,7 +10,7 @@ mode two figures, measured independently:
 * ``stats``: :meth:`FedAvg.memory_stats` (its own accounting), split by buffer kind.
 
 ``on dev`` is the accounting's device part: ``stats`` minus what lives in host memory with
-offload (anchor, own copy, momentum, residuals), i.e. the exchange's device pool (``staging``:
+offload (anchor, local-at-sync copy, momentum, residuals), i.e. the exchange's device pool (``staging``:
 bucket buffers, the offload scratch, two-hop plans) and the flags, plus ``transient``, the
 largest temporary an exchange allocates there (hop 2's error with error feedback; none on these
 2 ranks, whose exchange is one all-gather). On a

@@ -18,14 +18,15 @@ type-only ones included, and checks these rules):
 * ``_native`` and ``info`` import only each other;
 * ``comm`` (transports) imports only ``_native``, ``info`` and ``enums``: never collectives or
   anything above;
-* ``kernels`` imports ``_native``; ``sparse`` (the top-k kernels) and ``apply`` (the
-  exchange's fused apply) import ``kernels``; ``codecs`` imports ``kernels`` and ``sparse``
-  (public names only);
-* ``collectives`` imports ``comm``, ``codecs``, ``kernels``: never ``federated``, ``fsdp``,
+* ``ops`` (the wrappers of ``csrc/``: ``quant``, ``topk``, ``apply``) imports only ``_native``;
+  ``codecs`` imports ``ops`` (public names only); ``kernels``, ``sparse`` and ``apply``, the
+  deprecated names of ``ops.quant``, ``ops.topk`` and ``ops.apply``, import only those, and
+  nothing in flcomm imports them;
+* ``collectives`` imports ``comm``, ``codecs``, ``ops``: never ``federated``, ``fsdp``,
   ``costmodel`` or ``train``;
 * ``fsdp`` (hooks) imports ``collectives`` and below: a hook takes a ``Hierarchy`` or a
   transport, never a ``FedMesh``;
-* ``federated`` imports ``collectives``, ``apply`` and below (not ``fsdp``);
+* ``federated`` imports ``collectives``, ``ops`` and below (not ``fsdp``);
 * ``costmodel``: ``model`` and ``search`` (the analytic part) import ``federated.strategy`` /
   ``federated.topology``, ``codecs``, ``comm.base`` and no ``torch.distributed``, also not at
   import time through those modules; ``probe`` measures with torch.distributed;

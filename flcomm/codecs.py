@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from flcomm import kernels, sparse
+from flcomm.ops import quant, topk
 
 __all__ = ["CODECS", "DENSE_CODECS", "Codec", "KernelCodec", "NoneCodec", "TopKCodec", "check_replicate_codec",
            "get_codec", "register_codec"]
@@ -142,7 +142,7 @@ def _option(spec: str, text: str) -> tuple[str, int | float]:
 
 
 def _check_input(x: Tensor) -> None:
-    kernels.check_fp32("codec input", x, hint=" (cast it, e.g. x.float())")
+    quant.check_fp32("codec input", x, hint=" (cast it, e.g. x.float())")
 
 
 @register_codec
@@ -161,22 +161,22 @@ class NoneCodec(Codec):
         raw = x.reshape(-1).view(torch.uint8)
         if out is None:
             return raw.clone()
-        kernels.check_buf("out", out, raw.numel(), x.device)
+        quant.check_buf("out", out, raw.numel(), x.device)
         out.copy_(raw)
         return out
 
     def decode(self, buf: Tensor, numel: int, out: Tensor | None = None) -> Tensor:
-        kernels.check_buf("buf", buf, 4 * numel, out.device if out is not None else buf.device)
+        quant.check_buf("buf", buf, 4 * numel, out.device if out is not None else buf.device)
         vals = buf.view(torch.float32)
         if out is None:
             return vals.clone()
-        kernels.check_fp32("out", out)
+        quant.check_fp32("out", out)
         out.view(-1).copy_(vals)
         return out
 
     def decode_accumulate(self, buf: Tensor, numel: int, acc: Tensor) -> None:
-        kernels.check_fp32("acc", acc)
-        kernels.check_buf("buf", buf, 4 * numel, acc.device)
+        quant.check_fp32("acc", acc)
+        quant.check_buf("buf", buf, 4 * numel, acc.device)
         acc.view(-1).add_(buf.view(torch.float32))
 
     def encode_error_feedback(self, x: Tensor, residual: Tensor, out: Tensor | None = None) -> Tensor:
@@ -187,45 +187,45 @@ class NoneCodec(Codec):
 
 
 class KernelCodec(Codec):
-    """A codec backed by the quantization kernels of :mod:`flcomm.kernels`."""
+    """A codec backed by the quantization kernels of :mod:`flcomm.ops.quant`."""
 
     fmt: ClassVar[str] = ""
 
-    def __init__(self, block_size: int = kernels.DEFAULT_BLOCK_SIZE, backend: str | None = None) -> None:
-        kernels.check_format(self.fmt, block_size)
-        if backend is not None and backend not in kernels.BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(kernels.BACKENDS)}, got {backend!r}")
+    def __init__(self, block_size: int = quant.DEFAULT_BLOCK_SIZE, backend: str | None = None) -> None:
+        quant.check_format(self.fmt, block_size)
+        if backend is not None and backend not in quant.BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(quant.BACKENDS)}, got {backend!r}")
         self.block_size = block_size
         self.backend = backend
         # NOTE: 16-byte multiples keep encoded chunks aligned; whole blocks avoid partial ones.
-        self.align_numel = block_size if self.fmt in kernels.BLOCKED_FORMATS else 8
+        self.align_numel = block_size if self.fmt in quant.BLOCKED_FORMATS else 8
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, block_size={self.block_size})"
 
     def encoded_nbytes(self, numel: int) -> int:
-        return kernels.encoded_nbytes(numel, self.fmt, self.block_size)
+        return quant.encoded_nbytes(numel, self.fmt, self.block_size)
 
     def encode(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         _check_input(x)
-        return kernels.quantize(x, out, fmt=self.fmt, block_size=self.block_size, backend=self.backend)
+        return quant.quantize(x, out, fmt=self.fmt, block_size=self.block_size, backend=self.backend)
 
     def decode(self, buf: Tensor, numel: int, out: Tensor | None = None) -> Tensor:
-        return kernels.dequantize(buf, numel, out, fmt=self.fmt, block_size=self.block_size,
+        return quant.dequantize(buf, numel, out, fmt=self.fmt, block_size=self.block_size,
                                   backend=self.backend)
 
     def decode_accumulate(self, buf: Tensor, numel: int, acc: Tensor) -> None:
-        kernels.dequantize(buf, numel, acc, fmt=self.fmt, block_size=self.block_size, accumulate=True,
+        quant.dequantize(buf, numel, acc, fmt=self.fmt, block_size=self.block_size, accumulate=True,
                            backend=self.backend)
 
     def encode_error_feedback(self, x: Tensor, residual: Tensor, out: Tensor | None = None) -> Tensor:
         _check_input(x)
-        return kernels.quantize_error_feedback(x, residual, out, fmt=self.fmt, block_size=self.block_size,
+        return quant.quantize_error_feedback(x, residual, out, fmt=self.fmt, block_size=self.block_size,
                                                backend=self.backend)
 
     def _block_absmax(self, x: Tensor) -> Tensor:
         """Per-element absmax of the element's block."""
-        xb = kernels.blocked(x.reshape(-1).float(), self.block_size)
+        xb = quant.blocked(x.reshape(-1).float(), self.block_size)
         amax = xb.abs().amax(dim=1, keepdim=True).expand_as(xb)
         return amax.reshape(-1)[: x.numel()].view_as(x)
 
@@ -284,7 +284,7 @@ class FP8Codec(KernelCodec):
 class TopKCodec(Codec):
     """Sparse top-k: in each block of ``block`` elements the ``k = round(d * block)`` of largest
     magnitude, as uint16 indices and ``bits``-bit values (a sign and ``2**(bits-1)`` magnitude
-    levels between the block's smallest and largest kept magnitude; :mod:`flcomm.sparse`).
+    levels between the block's smallest and largest kept magnitude; :mod:`flcomm.ops.topk`).
 
     Named with its options, ``topk:d=0.02:bits=2`` (``block=4096`` by default; ``k=`` instead of
     ``d=`` gives the count itself). A sum of sparse encodings is not sparse, so the exchange does
@@ -299,9 +299,9 @@ class TopKCodec(Codec):
 
     def __init__(self, d: float | None = None, bits: int = DEFAULT_BITS, block: int = DEFAULT_BLOCK,
                  k: int | None = None, backend: str | None = None) -> None:
-        if backend is not None and backend not in kernels.BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(kernels.BACKENDS)}, got {backend!r}")
-        sparse.check_params(block, 1, bits)
+        if backend is not None and backend not in quant.BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(quant.BACKENDS)}, got {backend!r}")
+        topk.check_params(block, 1, bits)
         if d is not None and k is not None:
             raise ValueError(f"topk takes d (density) or k (elements per block), not both: got d={d!r}, k={k!r}")
         if k is None:
@@ -312,7 +312,7 @@ class TopKCodec(Codec):
             self._option = f"d={d:g}"
         else:
             self._option = f"k={k}"
-        sparse.check_params(block, k, bits)
+        topk.check_params(block, k, bits)
         self.block, self.k, self.bits, self.backend = block, k, bits, backend
         self.density = k / block
         self.align_numel = block
@@ -326,24 +326,24 @@ class TopKCodec(Codec):
         return f"TopKCodec({self.spec!r}, k={self.k})"
 
     def encoded_nbytes(self, numel: int) -> int:
-        return sparse.encoded_nbytes(numel, self.block, self.k, self.bits)
+        return topk.encoded_nbytes(numel, self.block, self.k, self.bits)
 
     def _opts(self) -> dict:
         return {"block": self.block, "k": self.k, "bits": self.bits, "backend": self.backend}
 
     def encode(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         _check_input(x)
-        return sparse.topk_encode(x, out, **self._opts())
+        return topk.topk_encode(x, out, **self._opts())
 
     def decode(self, buf: Tensor, numel: int, out: Tensor | None = None) -> Tensor:
-        return sparse.topk_decode(buf, numel, out, **self._opts())
+        return topk.topk_decode(buf, numel, out, **self._opts())
 
     def decode_accumulate(self, buf: Tensor, numel: int, acc: Tensor) -> None:
-        sparse.topk_decode(buf, numel, acc, accumulate=True, **self._opts())
+        topk.topk_decode(buf, numel, acc, accumulate=True, **self._opts())
 
     def encode_error_feedback(self, x: Tensor, residual: Tensor, out: Tensor | None = None) -> Tensor:
         _check_input(x)
-        return sparse.topk_encode(x, out, residual=residual, **self._opts())
+        return topk.topk_encode(x, out, residual=residual, **self._opts())
 
     def error_bound(self, x: Tensor) -> Tensor:
         # NOTE: an element not kept is dropped whole: the bound is |x| (kept ones err less)

@@ -48,7 +48,7 @@ from torch import Tensor
 
 from flcomm.codecs import Codec, get_codec
 from flcomm.comm.base import ReduceOp, Transport, Work, wire_bytes
-from flcomm.kernels import check_fp32
+from flcomm.ops.quant import check_fp32
 
 __all__ = ["CompressedWork", "GatherPlan", "TwoHopPlan", "chunk_numel", "compressed_all_reduce",
            "compressed_wire_bytes", "gathers", "lossless_all_reduce", "make_plan", "parse_sum_avg", "wire_numel"]

@@ -4,6 +4,7 @@ for the model itself, :mod:`~flcomm.costmodel.search` for the crossover and the 
 answer assumes and the units of bandwidths, :mod:`~flcomm.costmodel.report` for its table; the CLI
 is ``flcomm-costmodel``)."""
 
+from flcomm._lazy import renamed_attributes
 from flcomm.costmodel.assumptions import (
     Assumption,
     assumptions,
@@ -12,8 +13,8 @@ from flcomm.costmodel.assumptions import (
     parse_bandwidth,
 )
 from flcomm.costmodel.model import (
+    CLUSTER_PRESETS,
     GBIT,
-    PRESETS,
     Cluster,
     Link,
     Plan,
@@ -38,7 +39,7 @@ from flcomm.costmodel.search import (
 )
 
 
-def __getattr__(name: str):
+def _on_first_use(name: str):
     # NOTE: the CLI and the probe (torch.distributed) load on first use, not with the formulas.
     if name == "main":
         from flcomm.costmodel.__main__ import main
@@ -51,8 +52,12 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'flcomm.costmodel' has no attribute {name!r}")
 
 
+# NOTE: PRESETS is the old name, for one release
+__getattr__ = renamed_attributes(__name__, {"PRESETS": "CLUSTER_PRESETS"}, then=_on_first_use)
+
+
 __all__ = [
-    "GBIT", "PRESETS", "Assumption", "Cluster", "Crossover", "Link", "Plan", "Prediction", "Recommendation",
+    "CLUSTER_PRESETS", "GBIT", "Assumption", "Cluster", "Crossover", "Link", "Plan", "Prediction", "Recommendation",
     "Strategy", "Workload", "assumptions", "codec_nbytes", "collective_time", "compute_time_from_flops",
     "crossover_bandwidth_ratio", "crossover_sync_every", "estimate_activation_bytes", "estimate_blocks",
     "fedavg_shard_copies", "main", "memory_per_rank", "measure_tiers", "parse_bandwidth", "predict",

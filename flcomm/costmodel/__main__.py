@@ -32,8 +32,8 @@ from flcomm.costmodel.assumptions import (
     parse_bandwidth,
 )
 from flcomm.costmodel.model import (
+    CLUSTER_PRESETS,
     GBIT,
-    PRESETS,
     Cluster,
     Link,
     Strategy,
@@ -71,7 +71,7 @@ def _bandwidth(text: str) -> float:
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flcomm-costmodel", description=_model.__doc__, formatter_class=_HelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), help="fill in a documented setup (flags override)")
+    p.add_argument("--preset", choices=sorted(CLUSTER_PRESETS), help="fill in a documented setup (flags override)")
     g = p.add_argument_group("cluster (bandwidths: 400GB/s, 3200Gbit/s, 100gbit, or a bare number in Gbit/s)")
     g.add_argument("--nodes", type=int, help="nodes")
     g.add_argument("--ranks-per-node", type=int, help="ranks (GPUs) per node, L")
@@ -140,7 +140,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def _preset_defaults(name: str) -> dict[str, Any]:
     """The preset as parser defaults (its ``*_gbit`` in bytes/s for ``--*-bw``)."""
-    d = dict(PRESETS[name])
+    d = dict(CLUSTER_PRESETS[name])
     for t in _TIERS:
         if f"{t}_gbit" in d:
             d[f"{t}_bw"] = d.pop(f"{t}_gbit") * GBIT
@@ -167,7 +167,7 @@ class _Sources:
     """Where each value came from: a flag, the preset, a default or an estimate."""
 
     def __init__(self, a: argparse.Namespace, given: set[str]) -> None:
-        self.given, self.preset = given, set(PRESETS.get(a.preset, {}) if a.preset else ())
+        self.given, self.preset = given, set(CLUSTER_PRESETS.get(a.preset, {}) if a.preset else ())
         self.name = a.preset
         self.preset |= {f"{t}_bw" for t in _TIERS if f"{t}_gbit" in self.preset}
 

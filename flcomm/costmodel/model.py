@@ -67,6 +67,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from flcomm._lazy import renamed_attributes
 from flcomm.codecs import check_replicate_codec, get_codec
 from flcomm.comm.base import LinkTier, bus_factor, wire_bytes
 from flcomm.federated.autotune import steps_to_hide
@@ -75,7 +76,7 @@ from flcomm.federated.strategy import Strategy
 from flcomm.validate import integer, number
 
 __all__ = [
-    "GBIT", "PRESETS", "Cluster", "Link", "Plan", "Prediction", "Strategy", "Workload", "codec_nbytes",
+    "CLUSTER_PRESETS", "GBIT", "Cluster", "Link", "Plan", "Prediction", "Strategy", "Workload", "codec_nbytes",
     "collective_time", "compute_time_from_flops", "fedavg_shard_copies", "memory_per_rank", "predict",
     "predict_strategies", "replicate_bytes", "speedup",
 ]
@@ -404,11 +405,11 @@ def fedavg_shard_copies(plan: Plan, *, on_device: bool = True) -> float:
     """Full-size fp32 copies of a rank's shard that FedAvg keeps for ``plan`` (besides its
     buckets): none in the paper's mode (codec none, outer avg, no overlap, no error feedback:
     averaged in place, bucket by bucket); otherwise the anchor, plus the error-feedback residual
-    (half a copy with ``residual_dtype="bf16"``), the outer momentum (nesterov) and the own copy
-    (overlap) where the plan has them. ``on_device``: only what stays on the device (none with
-    ``offload="cpu"``: all in host memory). This is the accounting of
-    :meth:`flcomm.federated.fedavg.FedAvg.memory_stats` (``tests/dist/test_fedavg_engine.py``
-    ties the two; ``bench/memory.py`` measures it)."""
+    (half a copy with ``residual_dtype="bf16"``), the outer momentum (nesterov) and the
+    local-at-sync copy (overlap) where the plan has them. ``on_device``: only what stays on the
+    device (none with ``offload="cpu"``: all in host memory). This is the accounting of
+    :meth:`flcomm.federated.fedavg.FedAvg.memory_stats` (``tests/dist/test_fedavg_engine.py`` ties
+    the two; ``bench/memory.py`` measures it)."""
     cfg = plan.fedavg
     if not plan.strategy.federated or cfg.in_place or (on_device and cfg.offload is not None):
         return 0.0
@@ -577,7 +578,7 @@ def compute_time_from_flops(params: float, tokens_per_rank: float, peak_flops: f
 
 # ---------------------------------------------------------------- presets ----
 
-PRESETS: dict[str, dict[str, Any]] = {
+CLUSTER_PRESETS: dict[str, dict[str, Any]] = {
     # The paper's setup (Leonardo booster): Llama 3.1 8B, 128 nodes x 4 A100 64 GB, bf16.
     # Assumptions: NVLink 3 at 200 GB/s bus bandwidth per GPU (nccl-tests all-reduce on 4 A100);
     # one HDR100 port (100 Gbit/s) per GPU -> 400 Gbit/s per node, 3 us latency; NVLink 5 us;
@@ -592,4 +593,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                                  fsdp_units=33, param_bytes=2, grad_bytes=2, memory_gb=64.0,
                                  activation_gb=8.0),
 }
+
+# NOTE: the old name, for one release
+__getattr__ = renamed_attributes(__name__, {"PRESETS": "CLUSTER_PRESETS"})
 

@@ -84,7 +84,7 @@ def measure_tiers(ranks_per_node: int, group_size: int | None = None, nbytes: in
     if P // L > 1:
         out["inter_node"] = probe(fsdp.transport("shard_inter"), L)
     if fl is not None:
-        _, _, sharing = placement(P // G, G, L)  # fed groups crossing one node at once
+        _, _, sharing = placement(P // G, G, L)  # sets of shard peers crossing one node at once
         out["inter_group"] = probe(fl.transport("fed"), sharing)
     return out
 

@@ -31,7 +31,7 @@ import torch
 from flcomm.codecs import CODECS, Codec, get_codec
 from flcomm.federated.inner import InnerState
 from flcomm.federated.outer import Outer
-from flcomm.kernels import BLOCKED_FORMATS
+from flcomm.ops.quant import BLOCKED_FORMATS
 from flcomm.validate import integer, number
 
 __all__ = ["AUTO", "RESIDUAL_DTYPES", "FedAvgConfig", "add_field_arguments", "check_inputs", "must_match_on_resume",
@@ -166,12 +166,12 @@ class FedAvgConfig:
                                                  "one (flcomm.federated.pacing; docs/stragglers.md)")
     bucket_cap_mb: float = _setting(25.0, "bucket size of the exchange, in MiB (DDP's name; bucket_mb before)",
                                     also={"--bucket-mb": {"type": float, "help": argparse.SUPPRESS}})
-    offload: str | None = _setting(None, "'cpu': keep the anchor, own copy, momentum and residuals in host "
+    offload: str | None = _setting(None, "'cpu': keep the anchor, local-at-sync copy, momentum and residuals in host "
                                          "memory (page-locked on CUDA)")
     residual_dtype: str = _setting("fp32", f"dtype of the error-feedback residuals: {', '.join(RESIDUAL_DTYPES)}")
     sharded_exchange: bool | None = _setting(None, "FL+HSDP: each of the R replicas exchanges 1/R of the "
                                                    "shard, then they all-gather (None: on when R > 1)")
-    verify: bool = _setting(False, "after every sync, compare 64-bit hashes of what the fed group and the "
+    verify: bool = _setting(False, "after every sync, compare 64-bit hashes of what the shard peers and the "
                                    "replicas must hold equal; a mismatch raises, naming the group, its ranks "
                                    "and the step")
 

@@ -240,7 +240,7 @@ class Federation:
 
     @property
     def transport(self) -> ProcessGroupTransport:
-        """The current generation's transport over this rank's fed peers in the live groups."""
+        """The current generation's transport over this rank's shard peers in the live groups."""
         if self._transport is None:
             raise RuntimeError(f"rank {self.rank}: the federation has no transport yet (rejoin() first)")
         return self._transport
@@ -470,7 +470,7 @@ class Federation:
                             "seconds": time.perf_counter() - t0})
 
     def _build(self) -> None:
-        """This generation's transport over this rank's fed peers (created from the store)."""
+        """This generation's transport over this rank's shard peers (created from the store)."""
         members = self.members(self.groups)
         g = self.generation
         self._retire()

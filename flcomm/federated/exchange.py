@@ -1,8 +1,8 @@
 """The inter-group exchange of the FedAvg synchronizer, bucket by bucket, in the progress engine.
 
 The buffers a sync needs at full size are only those the algorithm keeps across steps (the
-anchor, the outer momentum, the error-feedback residual, and under overlap the own copy of the
-local shard); the deltas are computed and the average applied per bucket, in the bucket's
+anchor, the outer momentum, the error-feedback residual, and under overlap the local shard's
+copy as of the sync, ``local_at_sync``); the deltas are computed and the average applied per bucket, in the bucket's
 staging buffer (:class:`~flcomm.collectives.bucketing.BucketedAllReduce`).
 
 Modes (what a bucket's ``pack`` writes and its ``unpack`` does with the average):
@@ -11,23 +11,24 @@ Modes (what a bucket's ``pack`` writes and its ``unpack`` does with the average)
   pack the local shard itself, in its own dtype; unpack writes the average back. No anchor.
 * delta, no overlap: pack ``local - anchor``; unpack ``disp = outer(mean)``, ``anchor += disp``,
   ``local = anchor``.
-* delta, overlap: ``own`` holds the local shard as of the sync (copied when the sync starts:
-  the local shard keeps training meanwhile); pack ``own - anchor``, the own delta; unpack
-  ``anchor += disp`` and ``own = anchor - own``, the new anchor less the local shard as of the
-  sync: the correction that the apply step adds to the local shard
-  (:meth:`DeltaExchange.add_own`), which keeps the local updates made while the exchange ran.
+* delta, overlap: ``local_at_sync`` holds the local shard as of the sync (copied when the sync
+  starts: the local shard keeps training meanwhile); pack ``local_at_sync - anchor``, the delta;
+  unpack ``anchor += disp`` and, in the same buffer, ``correction = anchor - local_at_sync``, the
+  new anchor less the local shard as of the sync: what the apply step adds to the local shard
+  (:meth:`DeltaExchange.add_correction`), which keeps the local updates made while the exchange
+  ran.
 
-A piece's unpack is one fused kernel (:func:`flcomm.apply.apply_average`) where nothing is
+A piece's unpack is one fused kernel (:func:`flcomm.ops.apply.apply_average`) where nothing is
 offloaded, the anchor moves by the step itself (avg; nesterov under overlap, whose step is
-scaled first) and the target (own, or the local shard) has the anchor's dtype.
+scaled first) and the target (``local_at_sync``, or the local shard) has the anchor's dtype.
 
 A bucket whose average is not finite is not applied; :attr:`ExchangeResult.bad` marks it. Nothing
 is read on the host during an exchange: each bucket's finite flag stays on the device and
 selects, on the device, whether its unpack changes anything (a bucket not applied leaves the
-local shard, anchor, momentum and own copy as they were); the caller reads the flags once.
+local shard, anchor, momentum and local-at-sync copy as they were); the caller reads the flags once.
 
 Sharded across replicas (FL+HSDP, R > 1 replicas of each shard inside a group): replica r
-exchanges only slice r (1/R) of every bucket over the fed group, with the codec and the error
+exchanges only slice r (1/R) of every bucket over the shard peers, with the codec and the error
 feedback of that slice, and the averaged slices are all-gathered over a private replicate group
 (:meth:`FedMesh.exchange_replicate_transport`) before the unpack; every replica then applies the same whole
 bucket. Inter-group bytes per rank drop by R; the all-gather adds (R-1)/R of the bucket inside
@@ -35,12 +36,12 @@ the group, in the codec's encoding when the reduction was lossy (:class:`SlicedA
 replicas gather what hop 2 gathered and decode it themselves, bit for bit what its owner
 decoded), in the bucket's dtype otherwise.
 
-Offload: the anchors, own copies, momentum and residuals may live in host memory (pinned on
+Offload: the anchors, local-at-sync copies, momentum and residuals may live in host memory (pinned on
 CUDA); each bucket's pieces are then staged, one at a time, through the one device scratch
 bucket of the offloaded pipeline (:meth:`BucketedAllReduce.scratch`, at the segment's offset;
 also on CPU, where host and device are one memory, so the same path runs in the tests). With
 the bucket's staging buffer and the codec's plan the device holds at most two buckets beyond
-the model (:mod:`flcomm.collectives.bucketing`). The apply step (:meth:`DeltaExchange.add_own`)
+the model (:mod:`flcomm.collectives.bucketing`). The apply step (:meth:`DeltaExchange.add_correction`)
 stages through that scratch too, or, with ``apply_scratch`` (an apply while another exchange of
 the staging pool may be in flight, whose job writes the pool's scratch: FedAvg's overlapping
 fragments), through a scratch bucket of its own in the pool (up to one more bucket).
@@ -48,16 +49,17 @@ fragments), through a scratch bucket of its own in the pool (up to one more buck
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from flcomm.apply import apply_function
 from flcomm.collectives.bucketing import BucketedAllReduce, Segment
 from flcomm.collectives.staging import StagingPool, bucket_dtype
 from flcomm.federated.shards import nonfinite
+from flcomm.ops.apply import apply_function
 
 if TYPE_CHECKING:
     from flcomm.collectives.compressed import GatherPlan, TwoHopPlan
@@ -104,13 +106,13 @@ class SlicedAllReduce(BucketedAllReduce):
 @dataclass
 class ExchangeBuffers:
     """What an exchange updates beside the local shards, per tensor: ``anchors`` (None: the
-    paper's in-place mode, no anchor), ``own`` (overlap: the local shard as of the sync when an
-    exchange starts, which the exchange turns into the pending correction; else None), the
+    paper's in-place mode, no anchor), ``local_at_sync`` (overlap: the local shard as of the sync
+    when an exchange starts, which the exchange turns into the pending correction; else None), the
     ``outer`` optimizer and ``momentum_index[i]``, tensor i's momentum buffer (None: buffers and
     non-parameters take the plain average)."""
 
     anchors: list[Tensor] | None = None
-    own: list[Tensor] | None = None
+    local_at_sync: list[Tensor] | None = None
     outer: OuterOptimizer | None = None
     momentum_index: list[int | None] | None = None
 
@@ -119,11 +121,11 @@ class DeltaExchange:
     """Averages a rank's shards over ``transport`` (module docstring).
 
     Args:
-        transport: the fed group.
+        transport: the shard peers (the fed dim's group).
         tensors: the local shards (their shapes and dtypes define the layout).
         config: the settings (:class:`~flcomm.federated.config.FedAvgConfig`): its codec,
-            ``bucket_cap_mb``, ``error_feedback``, ``offload`` (the anchors, own copies, momentum and
-            residuals live in host memory and are staged through the device, module docstring;
+            ``bucket_cap_mb``, ``error_feedback``, ``offload`` (the anchors, local-at-sync copies,
+            momentum and residuals live in host memory and are staged through the device, module docstring;
             nothing to offload in place) and ``residual_dtype``.
         buffers: the :class:`ExchangeBuffers`; no anchors is the paper's mode (buckets in the
             tensors' own dtypes).
@@ -131,7 +133,7 @@ class DeltaExchange:
         replicate: the replicas' private group (:meth:`FedMesh.exchange_replicate_transport`):
             exchange one slice per replica and all-gather (module docstring); None exchanges
             everything.
-        apply_scratch: offload: :meth:`add_own` stages through a scratch bucket of its own in the
+        apply_scratch: offload: :meth:`add_correction` stages through a scratch bucket of its own in the
             staging pool (module docstring), not through the exchange's scratch.
     """
 
@@ -144,7 +146,7 @@ class DeltaExchange:
         # the double-buffered pipeline
         self.codec, self.in_place = config.codec_obj, in_place
         self.offload = config.offload is not None and not in_place
-        self.anchors, self.own, self.outer = buffers.anchors, buffers.own, buffers.outer
+        self.anchors, self.local_at_sync, self.outer = buffers.anchors, buffers.local_at_sync, buffers.outer
         self.momentum_index = buffers.momentum_index or [None] * len(tensors)
         self.apply_scratch = apply_scratch
         self.bar = SlicedAllReduce(transport, tensors, codec=self.codec, bucket_mb=config.bucket_cap_mb,
@@ -210,16 +212,16 @@ class DeltaExchange:
 
     def _pack(self, segs: list[Segment], flat: Tensor, locals_: list[Tensor]) -> None:
         """The bucket's pieces of what is averaged: the shards themselves (in place), else the
-        delta from the anchor of ``own`` (overlap: the local shard as of the sync) or of the
-        local shard, in one pass unless offloaded (the anchor staged through the scratch)."""
-        src = self.own if self.own is not None else locals_
+        delta from the anchor of ``local_at_sync`` (overlap: the local shard as of the sync) or of
+        the local shard, in one pass unless offloaded (the anchor staged through the scratch)."""
+        src = self.local_at_sync if self.local_at_sync is not None else locals_
         for s in segs:
             out = flat[s.bucket_offset: s.bucket_offset + s.length]
             piece = self._piece(src[s.index], s)
             if self.in_place:
                 out.copy_(piece)
             elif self.offload:
-                # NOTE: non-blocking from pinned memory: the host writes own only by _back's
+                # NOTE: non-blocking from pinned memory: the host writes local_at_sync only by _back's
                 # blocking copy, or by the sync's copies, which the job waited for
                 out.copy_(piece, non_blocking=True)
                 out.sub_(self._stage(self.anchors[s.index], s, flat))
@@ -232,7 +234,7 @@ class DeltaExchange:
         anchor's step and the target's update are one fused kernel, which writes nothing where
         ``ok`` does not hold. Else the step is zeroed there first, and every update below leaves
         its target as it was in value (``anchor + 0``, which turns a -0.0 into +0.0; the locals
-        and own selected); the momentum stays as it was as well (``buf * 1 + -0``: the mean is
+        and local_at_sync selected); the momentum stays as it was as well (``buf * 1 + -0``: the mean is
         zeroed before the outer step)."""
         for s in segs:
             mean = flat[s.bucket_offset: s.bucket_offset + s.length]
@@ -247,57 +249,64 @@ class DeltaExchange:
                 buf = self._stage(self.outer.buffers[m], s, flat)
                 step, alpha = self.outer.piece_(mean, buf, ok), self.outer.scale
                 self._back(self._piece(self.outer.buffers[m], s), buf)
-                if self.own is not None:
+                if self.local_at_sync is not None:
                     step.mul_(alpha)  # NOTE: the displacement, which the fused apply takes
                     alpha = 1.0
             anchor_home = self.anchors[s.index]
-            target = self._piece(self.own[s.index], s) if self.own is not None else local
+            at_sync = self.local_at_sync
+            target = self._piece(at_sync[s.index], s) if at_sync is not None else local
             if alpha == 1.0 and not self.offload and target.dtype == anchor_home.dtype == step.dtype:
-                self._apply(step, self._piece(anchor_home, s), target, ok, self.own is not None)
+                self._apply(step, self._piece(anchor_home, s), target, ok, at_sync is not None)
                 continue
             step.masked_fill_(~ok, 0.0)  # NOTE: not applied: no displacement
             anchor = self._stage(anchor_home, s, flat)
             anchor.add_(step, alpha=alpha)  # NOTE: SGD's p.add_(d_p, alpha=-lr): the same rounding
-            if self.own is None:
+            if at_sync is None:
                 # NOTE: local = anchor where ok, selected in the bucket (its step is used up):
                 # no temporary, and local's rounding is copy_'s
                 torch.where(ok, anchor, local, out=step)
                 local.copy_(step)
             else:
-                step.copy_(anchor)  # NOTE: the new anchor, kept in the bucket: own's staging reuses the scratch
+                step.copy_(anchor)  # NOTE: the new anchor, kept in the bucket: the copy's staging reuses the scratch
             self._back(self._piece(anchor_home, s), anchor)
-            if self.own is not None:
-                own = self._stage(self.own[s.index], s, flat)
-                torch.sub(step, own, out=step)
-                torch.where(ok, step, own, out=own)
-                self._back(self._piece(self.own[s.index], s), own)
+            if at_sync is not None:
+                staged = self._stage(at_sync[s.index], s, flat)
+                torch.sub(step, staged, out=step)  # NOTE: the correction, new anchor - local_at_sync
+                torch.where(ok, step, staged, out=staged)
+                self._back(self._piece(at_sync[s.index], s), staged)
 
     @torch.no_grad()
-    def add_own(self, locals_: list[Tensor]) -> None:
-        """The apply step of overlap, ``local += own`` (``own``: the correction the unpack left,
-        rounded to the local's dtype first), piece by piece along the buckets, so no full-size
-        copy reaches the device; with offload each piece passes through the scratch (converted
-        on the host). Call on the training loop's stream once the exchange's job was waited (that
-        stream is then ordered after the job). With ``apply_scratch`` the pieces pass through a
-        scratch of their own in the staging pool: needed when another exchange of the pool may be
-        in flight, whose job writes the pool's scratch."""
-        if self.own is None:
-            raise RuntimeError("add_own() needs the own copies (overlap)")
+    def add_correction(self, locals_: list[Tensor]) -> None:
+        """The apply step of overlap, ``local += correction`` (the correction the unpack left in
+        ``local_at_sync``'s buffer, rounded to the local's dtype first), piece by piece along the
+        buckets, so no full-size copy reaches the device; with offload each piece passes through
+        the scratch (converted on the host). Call on the training loop's stream once the
+        exchange's job was waited (that stream is then ordered after the job). With
+        ``apply_scratch`` the pieces pass through a scratch of their own in the staging pool:
+        needed when another exchange of the pool may be in flight, whose job writes the pool's
+        scratch."""
+        if self.local_at_sync is None:
+            raise RuntimeError("add_correction() needs the local-at-sync copies (overlap)")
         for segs in self.bar.layout():
             for s in segs:
-                local, own = self._piece(locals_[s.index], s), self._piece(self.own[s.index], s)
+                local, correction = self._piece(locals_[s.index], s), self._piece(self.local_at_sync[s.index], s)
                 if self.offload:
                     buf = self._apply_scratch(s.bucket_offset + s.length, local.dtype)
                     if buf.is_cuda:
                         buf.record_stream(torch.cuda.current_stream(buf.device))  # NOTE: used off the engine's stream
                     dev = buf[s.bucket_offset:]
-                    dev.copy_(own, non_blocking=True)  # NOTE: own is rewritten only after a sync of this stream
+                    dev.copy_(correction, non_blocking=True)  # NOTE: rewritten only after a sync of this stream
                     local.add_(dev)
                 else:
-                    local.add_(own if own.dtype == local.dtype else own.to(local.dtype))
+                    local.add_(correction if correction.dtype == local.dtype else correction.to(local.dtype))
+
+    def add_own(self, locals_: list[Tensor]) -> None:
+        """Deprecated (for one release): :meth:`add_correction`."""
+        warnings.warn("DeltaExchange.add_own() is deprecated: use add_correction()", DeprecationWarning, stacklevel=2)
+        self.add_correction(locals_)
 
     def _apply_scratch(self, numel: int, dtype: torch.dtype) -> Tensor:
-        """Offload: the device buffer :meth:`add_own` stages through (module docstring)."""
+        """Offload: the device buffer :meth:`add_correction` stages through (module docstring)."""
         if not self.apply_scratch:
             return self.bar.scratch(numel, dtype)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
@@ -305,9 +314,9 @@ class DeltaExchange:
 
     def mutated(self, locals_: list[Tensor]) -> list[Tensor]:
         """What :meth:`run` with ``locals_`` writes: the local shards
-        (unless overlapping), anchors, own copies, outer momentum and residuals."""
-        ts = list(locals_) if self.own is None else []
-        ts += [*(self.anchors or []), *(self.own or [])]
+        (unless overlapping), anchors, local-at-sync copies, outer momentum and residuals."""
+        ts = list(locals_) if self.local_at_sync is None else []
+        ts += [*(self.anchors or []), *(self.local_at_sync or [])]
         ts += [self.outer.buffers[m] for m in self.momentum_index if m is not None]
         return ts + [r for r in self.bar.residuals() if r is not None]
 

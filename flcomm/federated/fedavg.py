@@ -16,28 +16,28 @@ Algorithm of one sync (at local steps E, 2E, ...); steps 1-2 on the caller's thr
 job of the progress engine (:mod:`flcomm.comm.engine`), bucket by bucket
 (:mod:`flcomm.federated.exchange`):
 
-1. Flag whether this rank's shard is finite. With overlap, copy ``own = local`` (the local
-   shard keeps training while the exchange runs; the job packs ``own - anchor``, off this
-   thread: on the engine's stream, or offloaded on its thread).
+1. Flag whether this rank's shard is finite. With overlap, copy ``local_at_sync = local`` (the
+   local shard keeps training while the exchange runs; the job packs ``local_at_sync - anchor``,
+   off this thread: on the engine's stream, or offloaded on its thread).
 2. Inner optimizer state (:mod:`flcomm.federated.inner`): ``keep`` (the paper), ``average``
-   (averaged over the fed group, uncompressed, blocking) or ``reset`` (cleared, as if new).
-3. All-reduce the flags over the fed group; if any rank's shard is not finite, no rank of the
-   fed group applies any bucket (the flags stay on the device: the buckets are exchanged and
+   (averaged over the shard peers, uncompressed, blocking) or ``reset`` (cleared, as if new).
+3. All-reduce the flags over the shard peers; if any rank's shard is not finite, none of the
+   shard peers applies any bucket (the flags stay on the device: the buckets are exchanged and
    left unapplied, so the job reads nothing on the host). After the buckets, the job ORs the
-   fed group's flags and an overflow bit over the federation group (the refusal below).
-4. Per bucket: pack ``delta = local - anchor`` (or ``own``), average it over the fed group through
+   shard peers' flags and an overflow bit over the federation group (the refusal below).
+4. Per bucket: pack ``delta = local - anchor`` (or ``local_at_sync``), average it over the shard peers through
    the codec (error feedback keeps what compression dropped for the next round), and apply the
    outer update to the anchor: ``avg``: ``anchor += mean(delta)``; ``nesterov`` (DiLoCo):
    ``-mean(delta)`` is a pseudo-gradient for SGD with Nesterov momentum
    (:mod:`flcomm.federated.outer`). Buffers always take the plain average. Without overlap,
-   ``local = anchor``; with overlap, ``own = new_anchor - own`` (own: the local shard at the sync).
+   ``local = anchor``; with overlap, ``correction = new_anchor - local_at_sync`` (in its buffer).
    The paper's mode (codec none, ``avg``, no overlap, no error feedback) averages the shards
    themselves, in place, in their own dtype: no anchor, no delta.
 5. Apply, on the caller's thread, reading the flags on the host once: without overlap at once;
    with ``overlap_steps`` = k >= 1, k steps later (Streaming DiLoCo's tau; ``"auto"``: measured,
-   :mod:`flcomm.federated.autotune`), ``local += own``, i.e.::
+   :mod:`flcomm.federated.autotune`), ``local += correction``, i.e.::
 
-       local += own = new_anchor - local_at_sync     # = (new_anchor - old_anchor) - own_delta
+       local += correction = new_anchor - local_at_sync     # = (new_anchor - old_anchor) - delta
 
    the model becomes the average as of the sync step plus the local updates made while the
    exchange was in flight; those updates are part of the next round's delta, since the anchor
@@ -60,7 +60,7 @@ federation group (by the job, on a private group transport, so the loop runs no 
 the apply; an elastic federation's redone rounds OR them at the apply), so every rank of every
 group raises the same
 :class:`~flcomm.federated.nonfinite.NonFiniteAverageError`; non-finite error-feedback residuals are
-zeroed. A fed group that saw a non-finite delta leaves its weights and anchor unchanged; other fed groups may have
+zeroed. Shard peers that saw a non-finite delta leave their weights and anchor unchanged; other shard peers may have
 applied theirs, so the error is fatal (restore a checkpoint). Only floating tensors are averaged
 (see :mod:`flcomm.federated.shards` for buffers). Precision is never cut: fp64 tensors travel in
 fp64 (codec none; a lossy codec refuses them).
@@ -91,7 +91,7 @@ from flcomm.federated.exposure import ExposedTime, cuda_event
 from flcomm.federated.fragment import Fragment, Links, memory_stats
 from flcomm.federated.inner import InnerState, sync_inner_state
 from flcomm.federated.outer import Outer, OuterOptimizer
-from flcomm.federated.pacing import RoundRecord, StepSchedule, TimedSchedule
+from flcomm.federated.pacing import StepSchedule, TimedSchedule
 from flcomm.federated.persist import FedAvgCheckpoint
 from flcomm.federated.sharding import StepOrder, check_sharding
 from flcomm.federated.shards import broadcast, check_same_shards, collect_slots, partition
@@ -140,7 +140,8 @@ class FedAvg:
         exposed_comm_s: cumulative seconds the training loop was blocked on the exchange (see
             the property); with overlap only the part the compute did not hide.
         num_syncs: exchanges applied so far.
-        rounds: the timed mode's applied rounds, :class:`~flcomm.federated.pacing.RoundRecord`.
+        schedule: when syncs start (:mod:`flcomm.federated.pacing`): ``events``, the syncs started;
+            ``rounds``, the timed mode's applied rounds (RoundRecord; the caller may clear it).
         steps: ``step()`` calls so far.
         sharded_exchange: each replica exchanges 1/R of the shard (see the property).
     """
@@ -162,15 +163,14 @@ class FedAvg:
         self.steps = self.num_syncs = 0
         self._exposure = ExposedTime(events=False)
         self._frags: list[Fragment] = []
-        self._schedule = (TimedSchedule(cfg.sync_period_s, cfg.fragments, clock) if cfg.timed
-                          else StepSchedule(cfg.sync_every, cfg.fragments))
-        self.rounds: list[RoundRecord] = self._schedule.rounds  # NOTE: the timed mode's (the caller may clear it)
+        self.schedule = (TimedSchedule(cfg.sync_period_s, cfg.fragments, clock) if cfg.timed
+                         else StepSchedule(cfg.sync_every, cfg.fragments))
         self._outer = OuterOptimizer(cfg.outer_kind, cfg.outer_lr, cfg.outer_momentum)
         self._kind, self.slots = collect_slots(model)
         check_sharding(model, mesh, self._kind, replicated)
         self._order = StepOrder(optimizer, model)
         self._anchor: list = []
-        self._own: list | None = None
+        self._local_at_sync: list | None = None
         self._replicate: Transport | None = None
         self._verify: ReplicaCheck | None = None  # verify=True
         if self.federated:
@@ -185,7 +185,7 @@ class FedAvg:
             self._warm_up()
 
     def _align(self) -> None:
-        """A barrier over the group, then the fed group: every rank leaves together (counts no bytes)."""
+        """A barrier over the group, then the shard peers: every rank leaves together (counts no bytes)."""
         self._links.group.barrier()
         self._links.fed.barrier()
 
@@ -231,8 +231,8 @@ class FedAvg:
             # NOTE: a one-to-all broadcast ends at different times on different groups (seconds on a
             # slow link): the wait is paid now, not by the first sync's step
             self._align()
-        if isinstance(self._schedule, TimedSchedule):
-            self._schedule.agree_start(links.group, fed, device)
+        if isinstance(self.schedule, TimedSchedule):
+            self.schedule.agree_start(links.group, fed, device)
         work = [bucket_dtype(t.dtype, cfg.in_place) for t in locals_]
         home = torch.device("cpu") if cfg.offload else device
         pin = cfg.offload is not None and device.type == "cuda"
@@ -242,7 +242,7 @@ class FedAvg:
         with torch.no_grad():
             for a, t in zip(self._anchor, locals_):
                 a.copy_(t)
-        self._own = arena(specs, home, pin) if cfg.overlap else None
+        self._local_at_sync = arena(specs, home, pin) if cfg.overlap else None
         is_param = [s.is_param for s in self.slots]
         nesterov = cfg.outer_kind is Outer.NESTEROV
         params = [(tuple(a.shape), a.dtype) for a, p in zip(self._anchor, is_param) if p]
@@ -252,10 +252,11 @@ class FedAvg:
         parts = partition([s.numel for s in self.slots], cfg.fragments) if self.slots else [[]]
         self._replicate = mesh.exchange_replicate_transport(cfg.sharded_exchange, elastic)
         for f, part in enumerate(parts):
-            own = [self._own[i] for i in part] if self._own is not None else None
+            at_sync = [self._local_at_sync[i] for i in part] if self._local_at_sync is not None else None
             self._frags.append(Fragment(
-                f, f * cfg.sync_every // cfg.fragments, part, [self.slots[i] for i in part], own, links,
-                name_index=cfg.fragments > 1, own_span=span(own) if own is not None and cfg.offload is None else None,
+                f, f * cfg.sync_every // cfg.fragments, part, [self.slots[i] for i in part], at_sync, links,
+                name_index=cfg.fragments > 1,
+                local_at_sync_span=span(at_sync) if at_sync is not None and cfg.offload is None else None,
                 on_measured=self._measured, settle=self._settle if elastic else None))
         self._build_exchanges()
 
@@ -272,8 +273,9 @@ class FedAvg:
         for fr in self._frags:
             x = fr.xindices
             old = fr.state_dict() if fr.exchange is not None else None
+            at_sync = self._local_at_sync
             bufs = ExchangeBuffers(None if cfg.in_place else [self._anchor[i] for i in x],
-                                   None if self._own is None else [self._own[i] for i in x], self._outer,
+                                   None if at_sync is None else [at_sync[i] for i in x], self._outer,
                                    [self._mom[i] for i in x])
             fr.bind(DeltaExchange(fed, [s.local for s in fr.xslots], cfg, bufs, staging=self._staging,
                                   replicate=self._replicate, apply_scratch=overlapping)
@@ -281,7 +283,7 @@ class FedAvg:
             if old is not None and fr.exchange is not None:
                 try:
                     fr.exchange.load_state_dict(old)
-                except ValueError:  # NOTE: another fed group size pads the buckets otherwise: residuals restart at 0
+                except ValueError:  # NOTE: other padding (another number of shard peers): residuals restart at 0
                     pass
 
     # ---------------------------------------------------------------- public API
@@ -314,21 +316,16 @@ class FedAvg:
                 if self.steps >= fr.apply_at:
                     self._apply(fr, on_time=True)
                     did = True
-        for f in self._schedule.due(self.steps, tokens):
+        for f in self.schedule.due(self.steps, tokens):
             fr = self._frags[f]
             if fr.job is not None:  # NOTE: timed: its next event came before its apply
                 self._apply(fr)
-            self._schedule.hand(fr)  # NOTE: timed: the round's counts
+            self.schedule.hand(fr)  # NOTE: timed: the round's counts
             self._start(fr)
             if not self.config.overlap:
                 self._apply(fr)
             did = True
         return did
-
-    @property
-    def sync_events(self) -> int:
-        """Syncs started so far, each fragment's counted (the timed mode: the sync events p)."""
-        return self._schedule.events
 
     @property
     def overlap_steps(self) -> int:
@@ -338,7 +335,7 @@ class FedAvg:
     def starts_sync(self, step: int) -> bool:
         """Whether step ``step`` (1-based, as :attr:`steps`) starts a fragment's sync, known before
         it runs; never with one group, nor in the timed mode (decided at the step's end)."""
-        return self.federated and self._schedule.predictable(step)
+        return self.federated and self.schedule.predictable(step)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
         """Call :meth:`step` after every ``optimizer.step()`` through a step post-hook, instead of
@@ -381,7 +378,7 @@ class FedAvg:
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this FedAvg holds, per buffer kind (:func:`flcomm.federated.fragment.memory_stats`)."""
-        kept = {"anchor": self._anchor, "own": self._own, "momentum": self._outer.buffers}
+        kept = {"anchor": self._anchor, "own": self._local_at_sync, "momentum": self._outer.buffers}
         device = self._links.device if self.federated else None
         return memory_stats(self._frags, kept, self.slots, self.config.offload is not None, device)
 
@@ -392,8 +389,8 @@ class FedAvg:
         if self.in_flight:
             raise RuntimeError("FedAvg.state_dict() with an exchange in flight: call finish() first")
         sd = self._checkpoint.save(self.steps, self.num_syncs, self.exposed_comm_s)
-        if isinstance(self._schedule, TimedSchedule):
-            sd["pacing"] = self._schedule.state_dict()  # NOTE: the event count and the counts since each sync
+        if isinstance(self.schedule, TimedSchedule):
+            sd["pacing"] = self.schedule.state_dict()  # NOTE: the event count and the counts since each sync
         if self.auto_overlap is not None:
             sd["overlap_steps"] = self.auto_overlap.chosen  # NOTE: a resume keeps the measured choice
         return sd
@@ -406,7 +403,7 @@ class FedAvg:
     def load_state_dict(self, sd: dict, source_rank: int | None = None) -> None:
         """Restore what :meth:`state_dict` saved (same topology, model and outer/error-feedback
         configuration); clear errors otherwise. ``source_rank``: the rank whose entry to load
-        (default this rank's; an elastic resume may take a fed peer's of another group: same
+        (default this rank's; an elastic resume may take a shard peer's of another group: same
         anchor and momentum, and its residuals are dropped)."""
         if self.in_flight:
             raise RuntimeError("FedAvg.load_state_dict() with an exchange in flight: call finish() first")
@@ -415,8 +412,8 @@ class FedAvg:
             self.auto_overlap.settle(sd["overlap_steps"])
         if exposed is not None:
             self.exposed_comm_s = exposed
-        if isinstance(self._schedule, TimedSchedule) and "pacing" in sd:
-            self._schedule.load_state_dict(sd["pacing"])
+        if isinstance(self.schedule, TimedSchedule) and "pacing" in sd:
+            self.schedule.load_state_dict(sd["pacing"])
 
     # ---------------------------------------------------------------- elastic federation
     def _settle(self, fr: Fragment, job: Job, nb: int) -> ExchangeResult:
@@ -432,7 +429,7 @@ class FedAvg:
         return res if res is not None else ExchangeResult()
 
     def cross_group(self, name: str, fn: Callable[[Transport], Any]) -> Any:
-        """Elastic: run ``fn(transport)`` (collectives over the fed group, e.g. the evaluation's
+        """Elastic: run ``fn(transport)`` (collectives over the shard peers, e.g. the evaluation's
         mean over the groups) as an agreed round named ``name``; after an abort, the membership
         round and ``fn`` again among the survivors. Without a federation, just ``fn``."""
         links = self._links
@@ -481,7 +478,7 @@ class FedAvg:
         if not self.config.in_place:
             for s, a in zip(self.slots, self._anchor):
                 s.local.copy_(a)
-        for o in self._own or []:
+        for o in self._local_at_sync or []:
             o.zero_()
         self.steps = m.step
         return m.step
@@ -506,7 +503,7 @@ class FedAvg:
         ``on_time``: applied ``overlap_steps`` after its start (not early by :meth:`finish`)."""
         fr.apply(on_time)
         self.num_syncs += 1
-        self._schedule.record(fr, [self.topology.coords(r).group for r in self._links.fed_ranks])
+        self.schedule.record(fr, [self.topology.coords(r).group for r in self._links.fed_ranks])
         if self._verify is None:
             return
         anchors = self.config.overlap and not self.config.in_place

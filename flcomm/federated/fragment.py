@@ -1,9 +1,9 @@
 """One fragment of FedAvg's averaged tensors, the unit of a sync (all of them when ``fragments=1``).
 
-A :class:`Fragment` owns its tensors' slots, its views of the anchor and own arenas, its
+A :class:`Fragment` owns its averaged tensors, its views of the anchor and local-at-sync arenas, its
 :class:`~flcomm.federated.exchange.DeltaExchange`, its refusal flags and the job in flight, and
 runs steps 1, 3-5 of :mod:`flcomm.federated.fedavg`'s algorithm on them: :meth:`Fragment.start`
-(the flags, the own copy), :meth:`Fragment.submit` (the job of the progress engine) and
+(the flags, the local-at-sync copy), :meth:`Fragment.submit` (the job of the progress engine) and
 :meth:`Fragment.apply` (wait, agree on a refusal, the overlap correction). FedAvg keeps the
 schedule (which fragment starts and applies at which step), the arenas and the persistence; a
 fragment reaches the rest through its :class:`Links` (the transports and engine lane, which an
@@ -15,7 +15,7 @@ In the timed mode (:mod:`flcomm.federated.pacing`) FedAvg sets the group's ``cou
 
 Memory (:func:`memory_stats`): the paper's mode keeps nothing but two staging buckets; the other
 modes keep the anchor, plus the residual (error feedback, fp32 or ``residual_dtype="bf16"``), the
-own copy (overlap: the local shard at the sync, then the correction) and the momentum
+local-at-sync copy (overlap: the local shard at the sync, then the correction) and the momentum
 (nesterov), each kind one allocation (:func:`~flcomm.collectives.staging.arena`);
 ``offload="cpu"`` keeps these in host memory (page-locked on CUDA, exactly their bytes) and
 streams them through the buckets (with overlapping fragments the apply step through a scratch of
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from flcomm.comm.base import Transport
     from flcomm.comm.engine import Job, ProgressEngine
     from flcomm.federated.exchange import DeltaExchange
-    from flcomm.federated.shards import Slot
+    from flcomm.federated.shards import AveragedTensor
     from flcomm.federated.topology import Topology
 
 __all__ = ["AGREE_STAGE", "LATE_EXCHANGES", "Fragment", "Links", "memory_stats"]
@@ -65,7 +65,7 @@ class Links:
     # the mesh's native transports now (private ones are made later), whose watchdog verdicts an apply reads
     natives: Callable[[], list[Transport]]
     exposure: ExposedTime
-    fed: Transport | None = None  # the fed group (None until a rejoining group is admitted)
+    fed: Transport | None = None  # the shard peers (None until a rejoining group is admitted)
     fed_ranks: list[int] | None = None
     engine: ProgressEngine | None = None
     rank: int = 0
@@ -80,7 +80,7 @@ class Links:
 
     def on_lane(self, name: str, fn: Callable[[Transport], Any], buckets: int) -> Any:
         """``fn(fed transport)`` as a job of the exchange's engine lane, waited: another fragment's
-        exchange may be in flight on the fed group, and two threads issuing there would
+        exchange may be in flight on the shard peers' transport, and two threads issuing there would
         interleave differently on different ranks."""
         assert self.engine is not None
         fed = self.fed
@@ -88,22 +88,24 @@ class Links:
 
 
 class Fragment:
-    """The tensors ``slots`` (FedAvg's :class:`~flcomm.federated.shards.Slot`, at ``indices``
-    among its slots) that sync at the steps with ``(step - offset) % E == 0``; ``own``: their own
-    copies (overlap), else None; ``own_span``: those as one view, when on the device and end to
-    end (staging.span)."""
+    """The averaged tensors ``slots`` (:class:`~flcomm.federated.shards.AveragedTensor`, at
+    ``indices`` among FedAvg's) that sync at the steps with ``(step - offset) % E == 0``;
+    ``local_at_sync``: their copies as of the sync (overlap; then the correction the apply adds),
+    else None; ``local_at_sync_span``: those as one view, when on the device and end to end
+    (staging.span)."""
 
-    def __init__(self, index: int, offset: int, indices: list[int], slots: list[Slot], own: list[Tensor] | None,
-                 links: Links, *,
-                 name_index: bool, own_span: Tensor | None, on_measured: Callable[[Job], None],
+    def __init__(self, index: int, offset: int, indices: list[int], slots: list[AveragedTensor],
+                 local_at_sync: list[Tensor] | None, links: Links, *,
+                 name_index: bool, local_at_sync_span: Tensor | None, on_measured: Callable[[Job], None],
                  settle: Callable[[Fragment, Job, int], ExchangeResult] | None = None) -> None:
-        self.index, self.offset, self.indices, self.slots, self.own = index, offset, indices, slots, own
+        self.index, self.offset, self.indices, self.slots = index, offset, indices, slots
+        self.local_at_sync = local_at_sync
         self.links = links
-        # NOTE: empty shards (FSDP uneven sharding) are left out of the exchange; the fed peers hold
+        # NOTE: empty shards (FSDP uneven sharding) are left out of the exchange; the shard peers hold
         # the same shard coordinates, so they leave out the same ones
         self.xindices = [i for i, s in zip(indices, slots) if s.local.numel() > 0]
         self.xslots = [s for s in slots if s.local.numel() > 0]
-        self.own_span, self._name_index = own_span, name_index
+        self.local_at_sync_span, self._name_index = local_at_sync_span, name_index
         self.on_measured, self.settle = on_measured, settle
         self.exchange: DeltaExchange | None = None
         self.flags = torch.zeros(0, dtype=torch.int32, device=links.device)
@@ -114,7 +116,8 @@ class Fragment:
         self.restore: Callable[[], None] | None = None  # elastic: puts back what the round mutates, as of its start
         self.applied = 0  # exchanges of this fragment applied in this process
         self.late = 0  # consecutive exchanges still running when they were due (overlap)
-        self.own_ready: Any = None  # offload on CUDA: an event after the copies of the local shards into own
+        # offload on CUDA: an event after the copies of the local shards into local_at_sync
+        self.local_at_sync_ready: Any = None
         self.own_bad: Tensor | None = None  # this rank's non-finite flag at the sync (kept for an elastic redo)
         # the timed mode (flcomm.federated.pacing): the group's (tokens, steps) in this round, set
         # before submit; then the fed dim's, on the device (2 x F), once its job all-reduced them
@@ -128,7 +131,7 @@ class Fragment:
         return f"step {self.sync_step}" + (f" (fragment {self.index})" if self._name_index else "")
 
     def bind(self, exchange: DeltaExchange | None) -> None:
-        """A new exchange (over the links' current fed group); the flags keep this rank's own."""
+        """A new exchange (over the links' current shard peers); the flags keep this rank's own."""
         self.exchange = exchange
         links = self.links
         self.flags = own_flags(len(links.fed_ranks), links.fed_index, self.own_bad, links.device)
@@ -137,24 +140,27 @@ class Fragment:
         """Step 1 on the caller's thread: the flags and (overlap) the copy of the local shards."""
         locals_ = [s.local for s in self.slots]
         self.flags.zero_()
-        if self.own is not None:
-            for o, t in zip(self.own, locals_):
-                # NOTE: the local shard as of the sync, which the job packs as the own delta;
+        if self.local_at_sync is not None:
+            for o, t in zip(self.local_at_sync, locals_):
+                # NOTE: the local shard as of the sync, from which the job packs the delta;
                 # offloaded on CUDA an asynchronous copy into page-locked memory, ordered on this
-                # stream before the next step writes the shard and before the job reads own
+                # stream before the next step writes the shard and before the job reads the copy
                 o.copy_(t, non_blocking=True)
-            self.own_ready = cuda_event(self.links.device) if offload_cuda and self.exchange is not None else None
+            copying = offload_cuda and self.exchange is not None
+            self.local_at_sync_ready = cuda_event(self.links.device) if copying else None
         if locals_:
             # NOTE: no device sync; the anchor is finite (a refused average is never applied), so
-            # the delta is finite exactly when the local shard (or own, its copy, in one pass) is
-            self.flags[self.links.fed_index] = self.own_bad = nonfinite(locals_, self.own_span).to(torch.int32)
+            # the delta is finite exactly when the local shard (or its local-at-sync copy, in one
+            # pass) is
+            bad = nonfinite(locals_, self.local_at_sync_span).to(torch.int32)
+            self.flags[self.links.fed_index] = self.own_bad = bad
         self.sync_step, self.apply_at = step, apply_at
 
     def submit(self) -> None:
         """Steps 3-4 as one job of the progress engine (elastic: after a snapshot of what it mutates)."""
         if self.settle is not None:
-            if self.own_ready is not None:
-                self.own_ready.synchronize()  # NOTE: own is being written by asynchronous copies
+            if self.local_at_sync_ready is not None:
+                self.local_at_sync_ready.synchronize()  # NOTE: being written by asynchronous copies
             xlocals = [s.local for s in self.xslots]
             self.restore = snapshot(self.exchange.mutated(xlocals) if self.exchange is not None else [])
         self.job = self.make_job()
@@ -168,7 +174,7 @@ class Fragment:
         if links.engine.stream is not None:
             for t in [self.flags, self.world_flags, *xlocals, *([] if tallies is None else [tallies])]:
                 t.record_stream(links.engine.stream)
-        exchange, flags, transport, ready = self.exchange, self.flags, links.fed, self.own_ready
+        exchange, flags, transport, ready = self.exchange, self.flags, links.fed, self.local_at_sync_ready
         agree, wf, index, me = links.agree, self.world_flags, links.fed_rank_index, links.fed_index
 
         def run(job: Job) -> ExchangeResult:
@@ -182,10 +188,10 @@ class Fragment:
                 weight = tallies[0, me].double() * tallies.shape[1] / tallies[0].sum()
             res = ExchangeResult()
             if exchange is not None:
-                if ready is not None:  # NOTE: offloaded on CUDA: own is written by asynchronous copies
-                    job.stage = "copy of the local shards into own"
+                if ready is not None:  # NOTE: offloaded on CUDA: local_at_sync is written by asynchronous copies
+                    job.stage = "copy of the local shards into local_at_sync"
                     ready.synchronize()
-                # NOTE: every rank of the fed group sees the same flags: none applies a bucket; on
+                # NOTE: all shard peers see the same flags: none applies a bucket; on
                 # the device, so the job never waits on the host between its collectives
                 res = exchange.run(job, xlocals, skip=flags.any(), weight=weight)
             if agree is not None:
@@ -215,7 +221,7 @@ class Fragment:
         assert job is not None
         # NOTE: not judged on a fragment's first exchange, which allocates its staging and plans,
         # and a single late one is jitter
-        if on_time and self.own is not None and self.applied:
+        if on_time and self.local_at_sync is not None and self.applied:
             self.late = self.late + 1 if not job.is_completed() else 0
             if self.late == LATE_EXCHANGES and not links.warned_late:
                 links.warned_late = True  # NOTE: once per FedAvg
@@ -241,9 +247,9 @@ class Fragment:
             if self.exchange is not None:
                 self.exchange.sanitize()
             raise non_finite_error(wf, links.topology, links.fed_ranks, f"FedAvg sync of {self.name}")
-        if self.own is not None and self.exchange is not None:
-            # NOTE: piece by piece along the buckets: no full-size copy of an offloaded own copy
-            self.exchange.add_own([s.local for s in self.xslots])
+        if self.local_at_sync is not None and self.exchange is not None:
+            # NOTE: piece by piece along the buckets: no full-size copy of an offloaded correction
+            self.exchange.add_correction([s.local for s in self.xslots])
         if on_time:
             self.on_measured(job)
 
@@ -262,16 +268,17 @@ def _nbytes(ts: list[Tensor] | None) -> int:
     return sum(t.numel() * t.element_size() for t in ts or [])
 
 
-def memory_stats(fragments: list[Fragment], kept: dict[str, list[Tensor] | None], slots: list[Slot],
+def memory_stats(fragments: list[Fragment], kept: dict[str, list[Tensor] | None], slots: list[AveragedTensor],
                  offloaded: bool, device: torch.device | None) -> dict[str, int]:
-    """Bytes a FedAvg holds, per buffer kind (``anchor``, ``own``, ``momentum``: ``kept``, the
-    arenas; ``residual``, ``staging``: the exchange's device pool of bucket buffers, offload
-    scratch (and apply scratch) and two-hop plans, ``flags``: the fragments'), their ``total``,
-    ``offloaded`` (the part of the total in host memory with ``offload``), ``device`` (the rest:
-    on the device), ``transient`` (the largest temporary an exchange adds on the device,
-    :meth:`BucketedAllReduce.memory_bytes`) and ``shard_fp32``: the bytes of this rank's averaged
-    tensors (``slots``) in fp32 (the unit of the memory targets). On CUDA also ``device_peak``
-    (torch's peak allocation). No fragments: not federated, nothing held."""
+    """Bytes a FedAvg holds, per buffer kind (``anchor``, ``own``: the local-at-sync copies,
+    ``momentum``: ``kept``, the arenas; ``residual``, ``staging``: the exchange's device pool of
+    bucket buffers, offload scratch (and apply scratch) and two-hop plans, ``flags``: the
+    fragments'), their ``total``, ``offloaded`` (the part of the total in host memory with
+    ``offload``), ``device`` (the rest: on the device), ``transient`` (the largest temporary an
+    exchange adds on the device, :meth:`BucketedAllReduce.memory_bytes`) and ``shard_fp32``: the
+    bytes of this rank's averaged tensors (``slots``) in fp32 (the unit of the memory targets). On
+    CUDA also ``device_peak`` (torch's peak allocation). No fragments: not federated, nothing
+    held."""
     out = {k: _nbytes(kept.get(k)) for k in ("anchor", "own", "momentum")}
     out.update(residual=0, staging=0, flags=0)
     transient, pooled = 0, False

@@ -1,5 +1,5 @@
 """The inner (per-group) optimizer state at a FedAvg sync: ``keep`` (the paper), ``average``
-(its floating tensors averaged over the fed group, uncompressed, blocking) or ``reset``
+(its floating tensors averaged over the shard peers, uncompressed, blocking) or ``reset``
 (cleared, as if new)."""
 
 from __future__ import annotations

@@ -305,7 +305,7 @@ class FedMesh:
         Collective: every rank calls it with the same ``sharded``. The first call on a mesh creates a
         private transport per replicate-dim group (:meth:`private_transport`, with the mesh's
         timeout), counting into the mesh's stats on the replicate dim's tier; later calls reuse it
-        (the exchanges of one engine lane run one after another, as they share the fed group).
+        (the exchanges of one engine lane run one after another, as they share the shard peers' transport).
 
         NOTE: not the mesh's own replicate group: HSDP all-reduces gradients on that one from the
         training loop, and an overlapped exchange issuing there from the engine's thread would

@@ -3,8 +3,8 @@ group, and the one error every rank raises (:class:`NonFiniteAverageError`).
 
 The rule: a rank's delta is non-finite exactly when its local shard is (the anchor is finite: a
 refused average is never applied). Who sent one travels in its own tiny uncompressed all-reduce
-over the fed group (:func:`own_flags`), since a lossy codec may turn NaN/Inf into finite
-garbage; the fed group's flags and an overflow bit per exchange are then OR-ed over the
+over the shard peers (:func:`own_flags`), since a lossy codec may turn NaN/Inf into finite
+garbage; the shard peers' flags and an overflow bit per exchange are then OR-ed over the
 federation group (:func:`or_flags`), read on the host once at the apply (:func:`read_refusal`),
 and a refusal raises :func:`non_finite_error` on every rank of every group.
 """
@@ -25,7 +25,7 @@ __all__ = ["NonFiniteAverageError", "non_finite_error", "or_flags", "own_flags",
 
 
 class NonFiniteAverageError(FloatingPointError):
-    """The averaged delta received from the fed group had NaN/Inf; it was not applied."""
+    """The averaged delta received from the shard peers had NaN/Inf; it was not applied."""
 
     def __init__(self, message: str, fed_ranks: list[int], bad_ranks: list[int]) -> None:
         super().__init__(message)
@@ -35,7 +35,7 @@ class NonFiniteAverageError(FloatingPointError):
 
 
 def or_flags(wf: Tensor, index: Tensor, flags: Tensor, res: ExchangeResult, transport: Transport) -> None:
-    """``wf`` = the fed group's bad ranks (``flags``, one per rank of the fed group; ``index``:
+    """``wf`` = the shard peers' bad ranks (``flags``, one per shard peer; ``index``:
     their global ranks) and a last bit for a bucket whose average overflowed (``res.bad``),
     OR-ed over the federation group by ``transport``: what :func:`non_finite_error` reads. On
     the device (no host read)."""
@@ -47,12 +47,12 @@ def or_flags(wf: Tensor, index: Tensor, flags: Tensor, res: ExchangeResult, tran
 
 
 def own_flags(n: int, index: int, own: Tensor | None, device: torch.device) -> Tensor:
-    """A fed group's refusal flags (``n`` ranks) before their all-reduce: zeros, but this rank's
+    """The shard peers' refusal flags (``n`` ranks) before their all-reduce: zeros, but this rank's
     own non-finite flag ``own`` (None: finite) at ``index``. An elastic redo starts from it, so
     the redone round still refuses this rank's non-finite delta (N5).
 
     NOTE: who sent a non-finite delta travels in its own tiny uncompressed all-reduce (a one-hot
-    int32 vector over the fed group): a lossy codec may turn NaN/Inf into finite garbage, so the
+    int32 vector over the shard peers): a lossy codec may turn NaN/Inf into finite garbage, so the
     averaged delta alone cannot be trusted to show it."""
     flags = torch.zeros(n, dtype=torch.int32, device=device)
     if own is not None:
@@ -78,7 +78,7 @@ def non_finite_error(world_flags: Tensor, topology: Topology, fed_ranks: list[in
     groups = [topology.coords(r).group for r in bad]
     if bad:
         origin = (f"non-finite deltas came from ranks {bad} (federation groups {groups}); the average "
-                  "was refused: local weights and anchors are unchanged where the fed group saw them")
+                  "was refused: local weights and anchors are unchanged where their shard peers saw them")
     else:
         origin = ("no rank sent a non-finite delta: the reduction or the codec overflowed in some "
                   "buckets, whose average was not applied (other buckets were)")

@@ -31,7 +31,7 @@ By time (``sync_period_s`` = T), the rule, as :class:`TimedSchedule` and the exc
 
 Every group meets the others at each deadline; a fast group waits at a sync only for the slow
 group's step in progress and the exchange, and the slow group's fewer steps count by their
-tokens. Each applied round is a :class:`RoundRecord` (``FedAvg.rounds``): the groups that took
+tokens. Each applied round is a :class:`RoundRecord` (``FedAvg.schedule.rounds``): the groups that took
 part, their tokens, steps and staleness (0: every group takes part in every round).
 """
 

@@ -13,7 +13,7 @@ A state dict (:meth:`FedAvgCheckpoint.save`) holds:
   replicated.
 
 An elastic federation accepts a state saved with another number of groups (the same group
-shape); a load may then take a fed peer's entry (``source``: same anchor and momentum), whose
+shape); a load may then take a shard peer's entry (``source``: same anchor and momentum), whose
 residuals are dropped, and residuals saved with another bucket padding restart at zero.
 """
 

@@ -25,12 +25,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from flcomm._lazy import renamed_attributes
+
 if TYPE_CHECKING:
     from flcomm.comm.base import Transport
 
 
 @dataclass
-class Slot:
+class AveragedTensor:
     """One averaged tensor; ``local`` is the rank's own storage (written in place)."""
 
     name: str
@@ -44,6 +46,10 @@ class Slot:
         # NOTE: fetched on every use, not cached: FSDP2's lazy init re-pads the sharded storage
         # (a new local tensor) and FSDP1 swaps ``flat_param.data`` between shard and full views.
         return self.get()
+
+
+# NOTE: the old name, for one release
+__getattr__ = renamed_attributes(__name__, {"Slot": "AveragedTensor"})
 
 
 def is_dtensor(t: Tensor) -> bool:
@@ -71,14 +77,14 @@ def model_kind(model: nn.Module) -> str:
     return "plain"
 
 
-def collect_slots(model: nn.Module) -> tuple[str, list[Slot]]:
+def collect_slots(model: nn.Module) -> tuple[str, list[AveragedTensor]]:
     """The model kind and the tensors to average, in a deterministic order (parameters in
     ``named_parameters`` / FSDP-unit order, then buffers). Whether the sharding matches the
     topology is :func:`~flcomm.federated.sharding.check_sharding`'s."""
     import torch.distributed as dist
 
     kind = model_kind(model)
-    slots: list[Slot] = []
+    slots: list[AveragedTensor] = []
     if kind == "fsdp1":
         units = _fsdp1_units(model)
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -97,19 +103,19 @@ def collect_slots(model: nn.Module) -> tuple[str, list[Slot]]:
             if fp.is_floating_point():
                 full = getattr(fp, "_unpadded_unsharded_size", None)
                 n = full.numel() if full is not None else fp.numel() * dist.get_world_size(pg)
-                slots.append(Slot(f"flat_param.{i}", lambda fp=fp: fp.data, True, (dist.get_rank(pg),), n))
+                slots.append(AveragedTensor(f"flat_param.{i}", lambda fp=fp: fp.data, True, (dist.get_rank(pg),), n))
     else:
         for name, p in model.named_parameters():
             if not p.is_floating_point():
                 continue
             if is_dtensor(p):
                 coord = tuple(p.device_mesh.get_coordinate() or ())
-                slots.append(Slot(name, lambda p=p: p.to_local(), True, coord, p.numel()))
+                slots.append(AveragedTensor(name, lambda p=p: p.to_local(), True, coord, p.numel()))
             else:
-                slots.append(Slot(name, lambda p=p: p.data, True, (), p.numel()))
+                slots.append(AveragedTensor(name, lambda p=p: p.data, True, (), p.numel()))
     for name, owner, bname in persistent_buffers(model):
         if owner._buffers[bname].is_floating_point():
-            slots.append(Slot(name, lambda m=owner, n=bname: _local(m._buffers[n]), False, (),
+            slots.append(AveragedTensor(name, lambda m=owner, n=bname: _local(m._buffers[n]), False, (),
                               owner._buffers[bname].numel()))
     return kind, slots
 
@@ -134,21 +140,21 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     return out
 
 
-def fingerprint(slots: list[Slot]) -> Tensor:
+def fingerprint(slots: list[AveragedTensor]) -> Tensor:
     """[number of tensors, total elements, crc32 of names/shapes/dtypes/coordinates] as int64;
-    equal on all ranks of a fed group when they hold the same shards of the same model."""
+    equal on all shard peers when they hold the same shards of the same model."""
     desc = ";".join(f"{s.name}:{tuple(s.local.shape)}:{s.local.dtype}:{s.coord}:{int(s.is_param)}"
                     for s in slots)
     return torch.tensor([len(slots), sum(s.local.numel() for s in slots), zlib.crc32(desc.encode())],
                         dtype=torch.int64)
 
 
-def describe(slots: list[Slot]) -> list[tuple[str, tuple[int, ...]]]:
+def describe(slots: list[AveragedTensor]) -> list[tuple[str, tuple[int, ...]]]:
     return [(s.name, tuple(s.local.shape)) for s in slots]
 
 
-def check_same_shards(slots: list[Slot], transport: Transport, fed_ranks: list[int]) -> None:
-    """ValueError unless every rank of the fed group (``transport``, over ``fed_ranks``) holds
+def check_same_shards(slots: list[AveragedTensor], transport: Transport, fed_ranks: list[int]) -> None:
+    """ValueError unless all shard peers (``transport``, over ``fed_ranks``) hold
     the same shards of the same model (:func:`fingerprint`). Collective."""
     # NOTE: on the transport's device: NCCL groups cannot gather CPU tensors
     fp = fingerprint(slots).to(transport.device)
@@ -158,7 +164,7 @@ def check_same_shards(slots: list[Slot], transport: Transport, fed_ranks: list[i
     if any(not torch.equal(g, got[0]) for g in got):
         rows = ", ".join(f"rank {r}: {int(g[0])} tensors / {int(g[1])} elements / layout {int(g[2]):08x}"
                          for r, g in zip(fed_ranks, got))
-        raise ValueError("the ranks of fed group "
+        raise ValueError("the shard peers "
                          f"{fed_ranks} do not hold the same shards of one model ({rows}); "
                          "every federation group must build the same model and shard it the same "
                          "way inside the group")

@@ -1,4 +1,4 @@
-"""``FedAvg(verify=True)``: after each applied sync the ranks of the fed group compare a 64-bit
+"""``FedAvg(verify=True)``: after each applied sync the shard peers (the fed dim) compare a 64-bit
 hash of what must be equal there (:func:`tensor_hash`); the replicas of a shard (R > 1) and, for
 plain parameters, the whole federation group compare theirs as of the sync's start (replicas
 must be equal at all times, and a sharded exchange makes them equal again, which would hide a
@@ -104,7 +104,7 @@ class ReplicaCheck:
     def after_apply(self, key: int, sync: str, step: int, synced: list[Tensor], what: str) -> None:
         """Raise :class:`ReplicaMismatchError` on every rank when the start hashes of sync ``key``
         (``sync`` names it, ``step`` its local step) differed inside a federation group, or
-        ``synced`` (``what`` they are) differs over the fed group."""
+        ``synced`` (``what`` they are) differs over the shard peers."""
         topo, gt, rank, dev = self.topology, self.group, self.rank, self.device
         sync = f"the sync of {sync}"
         mine = _replica_error(topo, sync, step, *_gather(gt, rank, self._start.pop(key)))
@@ -115,14 +115,15 @@ class ReplicaCheck:
         group, flags = _gather(gt, rank, torch.tensor([int(ours)], dtype=torch.int64, device=dev))
         if ours:
             raise ReplicaMismatchError(
-                f"FedAvg replica check after {sync}: the ranks of fed group {fed_ranks} hold different {what} "
-                f"({_table(fed_ranks, hashes)}), which every rank of a fed group holds equal after a sync: the "
-                "exchange went wrong (or sync_init=False left the groups' anchors apart)", "fed", fed_ranks, step)
+                f"FedAvg replica check after {sync}: the shard peers {fed_ranks} hold different {what} "
+                f"({_table(fed_ranks, hashes)}), which shard peers hold equal after a sync: the "
+                "exchange went wrong (or sync_module_states=False left the groups' anchors apart)", "fed",
+                fed_ranks, step)
         elsewhere = [r for r, f in zip(group, flags) if f[0]]
         if elsewhere:
-            ranks = _fed_group(topo, elsewhere[0])
+            ranks = _shard_peers(topo, elsewhere[0])
             raise ReplicaMismatchError(
-                f"FedAvg replica check after {sync}: the ranks of fed group {ranks} hold different {what} "
+                f"FedAvg replica check after {sync}: the shard peers {ranks} hold different {what} "
                 "(their own error names the hashes)", "fed", ranks, step)
         if mine is not None:
             raise mine
@@ -173,5 +174,5 @@ def _replica_error(topo: Topology, sync: str, step: int, group: list[int],
     return None
 
 
-def _fed_group(topo: Topology, rank: int) -> list[int]:
+def _shard_peers(topo: Topology, rank: int) -> list[int]:
     return next(g for g in topo.dim_groups("fed") if rank in g)

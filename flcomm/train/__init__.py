@@ -14,10 +14,14 @@
 Command line: ``python -m flcomm.train --help`` (console script ``flcomm-train``).
 """
 
+from flcomm._lazy import renamed_attributes
 from flcomm.train.config import TrainConfig, resolve_topology
 from flcomm.train.launch import launch_local
 from flcomm.train.loop import TrainResult, train
-from flcomm.train.model import PRESETS, ModelConfig, Transformer, build_model, get_config
+from flcomm.train.model import MODEL_PRESETS, ModelConfig, Transformer, build_model, get_config
 
-__all__ = ["PRESETS", "ModelConfig", "TrainConfig", "TrainResult", "Transformer", "build_model", "get_config",
+__all__ = ["MODEL_PRESETS", "ModelConfig", "TrainConfig", "TrainResult", "Transformer", "build_model", "get_config",
            "launch_local", "resolve_topology", "train"]
+
+# NOTE: the old name, for one release
+__getattr__ = renamed_attributes(__name__, {"PRESETS": "MODEL_PRESETS"})

@@ -13,7 +13,7 @@ from flcomm.federated.config import FedAvgConfig, add_field_arguments
 from flcomm.federated.mesh import MeshConfig, TransportKind
 from flcomm.federated.strategy import Strategy
 from flcomm.federated.topology import Topology
-from flcomm.train.model import PRESETS, get_config
+from flcomm.train.model import MODEL_PRESETS, get_config
 from flcomm.validate import integer, number
 
 NAN_POLICIES = ("stop", "skip-step")
@@ -73,7 +73,7 @@ class TrainConfig:
     rejoin: bool = _flag(False, ELASTIC, "this is a restarted group: load a survivor's latest checkpoint and join "
                                          "at the next sync (--nproc: the launcher restarts a lost group itself "
                                          "with this)")
-    model: str = _flag("tiny", MODEL, f"preset: {', '.join(PRESETS)}")
+    model: str = _flag("tiny", MODEL, f"preset: {', '.join(MODEL_PRESETS)}")
     vocab_size: int | None = _flag(None, MODEL)
     init: str = _flag("auto", MODEL, "auto | full | meta (meta: build sharded, no full copy)")
     mixed_precision: str = _flag("none", MODEL, "none | bf16")
@@ -127,7 +127,7 @@ class TrainConfig:
         # NOTE: a name (the command line, a record) becomes the member, parsed once; ValueError naming
         # the strategies otherwise
         object.__setattr__(self, "strategy", Strategy.parse(self.strategy))
-        one_of("model", tuple(PRESETS), "model preset")
+        one_of("model", tuple(MODEL_PRESETS), "model preset")
         one_of("init", ("auto", "full", "meta"))
         one_of("mixed_precision", ("none", "bf16"))
         one_of("backend", ("auto", "gloo", "nccl"))

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flcomm._lazy import renamed_attributes
 from flcomm.validate import integer
 
 
@@ -77,7 +78,7 @@ class ModelConfig:
         return asdict(self)
 
 
-PRESETS: dict[str, ModelConfig] = {
+MODEL_PRESETS: dict[str, ModelConfig] = {
     # ~0.9 M parameters: CPU tests and the two-minute comparison.
     "tiny": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=1024),
     # ~4.8 M parameters: CPU runs that still learn visibly in minutes.
@@ -92,12 +93,15 @@ PRESETS: dict[str, ModelConfig] = {
                                vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
 }
 
+# NOTE: the old name, for one release
+__getattr__ = renamed_attributes(__name__, {"PRESETS": "MODEL_PRESETS"})
+
 
 def get_config(name: str, **overrides: object) -> ModelConfig:
     """The preset ``name``, with fields replaced by ``overrides`` (e.g. ``vocab_size=256``)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
-    cfg = PRESETS[name]
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(MODEL_PRESETS)}")
+    cfg = MODEL_PRESETS[name]
     return replace(cfg, **overrides) if overrides else cfg
 
 

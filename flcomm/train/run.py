@@ -186,7 +186,7 @@ def _build_model(cfg: TrainConfig, mesh: FedMesh, device: torch.device) -> tuple
         units = shard_model(model, mesh, mp, hooked)
         model.to_empty(device=device)
         # NOTE: every rank draws its own shards from one seed: ranks with the same shard
-        # coordinates (the fed peers) get identical values, so all groups start equal.
+        # coordinates (the shard peers) get identical values, so all groups start equal.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(cfg.seed)
             model.init_weights()

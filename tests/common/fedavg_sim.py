@@ -167,7 +167,7 @@ def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 
             md = coded_mean_delta(names)
             mean = {n: glob[n] + md[n] for n in names}
             grad = {n: -md[n] for n in names}
-        own = [{n: _tensor(m, n).detach() - glob[n] for n in names} for m in models]
+        deltas = [{n: _tensor(m, n).detach() - glob[n] for n in names} for m in models]
         old = {n: glob[n].clone() for n in names}
         if outer_opt is None:
             for n in names:
@@ -192,7 +192,7 @@ def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 
         elif inner_state == "reset":
             for o in opts:
                 o.state.clear()
-        return {"disp": {n: glob[n] - old[n] for n in names}, "own": own}
+        return {"disp": {n: glob[n] - old[n] for n in names}, "delta": deltas}
 
     @torch.no_grad()
     def apply(p: dict) -> None:
@@ -200,7 +200,7 @@ def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 
             if k not in live:
                 continue
             for n in p["disp"]:
-                _tensor(m, n).add_(p["disp"][n] - p["own"][k][n])
+                _tensor(m, n).add_(p["disp"][n] - p["delta"][k][n])
 
     for t in range(1, T + 1):
         for f, m in enumerate(models):

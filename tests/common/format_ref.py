@@ -1,10 +1,10 @@
 """The wire formats written from their definitions, in float64 torch ops, for the tests: an
 encoder that builds the whole uint8 buffer, a decoder, the fused decode-accumulate and error
 feedback, and the per-element error bound of each format. Nothing here comes from flcomm: it is
-the independent reference that the kernels (native and ``flcomm.kernels.*_ref``) and the codecs
+the independent reference that the kernels (native and ``flcomm.ops.quant.*_ref``) and the codecs
 are checked against.
 
-The formats (flcomm/kernels.py docstring and csrc/quant.h state the same rules):
+The formats (flcomm/ops/quant.py docstring and csrc/quant.h state the same rules):
 
 * grids: a float with ``m`` stored mantissa bits and least normal exponent ``emin`` holds, in
   the binade ``[2^e, 2^(e+1))``, the multiples of ``2^(max(e, emin) - m)``; a cast rounds to the

@@ -9,6 +9,11 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
+#: flcomm's deprecated modules (kept one release), each the module of flcomm.ops it is now: what
+#: nothing may import (tests/unit/test_layering.py) and what still imports, with a warning
+#: (tests/unit/test_exports.py)
+SHIMS = {"flcomm.kernels": "flcomm.ops.quant", "flcomm.sparse": "flcomm.ops.topk", "flcomm.apply": "flcomm.ops.apply"}
+
 
 def module_name(path: pathlib.Path) -> str:
     if not path.is_relative_to(ROOT):

@@ -1,9 +1,9 @@
 """The sparse top-k format written from its definition, element by element in plain Python, for
 the tests: an encoder that builds the whole byte buffer, a decoder and error feedback. Nothing
 here comes from flcomm: it is the independent reference the kernels (native and
-``flcomm.sparse.*_ref``) and the codec are checked against.
+``flcomm.ops.topk.*_ref``) and the codec are checked against.
 
-The format (flcomm/sparse.py and csrc/sparse.h state it too), per block of ``block`` elements:
+The format (flcomm/ops/topk.py and csrc/sparse.h state it too), per block of ``block`` elements:
 keep ``min(k, len)`` elements, those of largest ``|y|`` (NaN above +Inf above every finite value;
 equal magnitudes: the lower index first), in ascending index order; ``lo``, ``hi`` = the smallest
 and largest kept ``|y|`` (both NaN, and every code 0, when a NaN or an Inf is kept); ``L =

@@ -20,7 +20,7 @@ def rank_input(rank: int, case: int, n: int, mag: float) -> torch.Tensor:
 
 
 # ---- the independent references ----
-#: the codecs' default block size (flcomm.kernels.DEFAULT_BLOCK_SIZE, documented as 256)
+#: the codecs' default block size (flcomm.ops.quant.DEFAULT_BLOCK_SIZE, documented as 256)
 BLOCK = 256
 
 

@@ -60,34 +60,37 @@ def _worker(rank: int, world: int) -> dict:
     _run(ex, loc)
     out["delta"] = ([t.clone() for t in loc], [a.clone() for a in anchors])
 
-    # 3. overlap + nesterov: own = local (as of the sync) before; after: anchor += disp, own =
-    # anchor - local (the new anchor less the local shard as of the sync)
+    # 3. overlap + nesterov: local_at_sync = local (as of the sync) before; after: anchor += disp,
+    # and its buffer holds the correction anchor - local (the new anchor less the local shard as
+    # of the sync)
     loc = _data(rank, "local")
     anchors = _data(0, "anchor")
-    own = [t.clone() for t in loc]
+    at_sync = [t.clone() for t in loc]
     outer = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
     outer.allocate(anchors[:2])  # tensors 0, 1 are parameters; tensor 2 a buffer (plain average)
     before = [t.clone() for t in loc]
     ex = DeltaExchange(TorchTransport(), loc, FedAvgConfig(codec=none, bucket_cap_mb=BUCKET_MB, error_feedback=False),
-                       ExchangeBuffers(anchors=anchors, own=own, outer=outer, momentum_index=[0, 1, None]))
+                       ExchangeBuffers(anchors=anchors, local_at_sync=at_sync, outer=outer,
+                                       momentum_index=[0, 1, None]))
     _run(ex, loc)
     out["overlap"] = {"local_untouched": all(torch.equal(a, b) for a, b in zip(loc, before)),
-                      "own": [o.clone() for o in own], "anchor": [a.clone() for a in anchors]}
+                      "correction": [o.clone() for o in at_sync], "anchor": [a.clone() for a in anchors]}
 
-    # 3b. the apply step, local += own (in the local's dtype), piece by piece: bf16 locals with
-    # fp32 anchors and own copies, on the device and offloaded (staged through the scratch)
+    # 3b. the apply step, local += correction (in the local's dtype), piece by piece: bf16 locals
+    # with fp32 anchors and local-at-sync copies, on the device and offloaded (staged through the
+    # scratch)
     for offload in (False, True):
         loc = _data(rank, "local", torch.bfloat16)
         anchors = [a.float() for a in _data(0, "anchor")]
-        own = [t.float() for t in loc]
+        at_sync = [t.float() for t in loc]
         ex = DeltaExchange(TorchTransport(), loc,
                            FedAvgConfig(codec=none, bucket_cap_mb=BUCKET_MB, error_feedback=False,
                                         offload="cpu" if offload else None),
-                           ExchangeBuffers(anchors=anchors, own=own))
+                           ExchangeBuffers(anchors=anchors, local_at_sync=at_sync))
         _run(ex, loc)
-        want = [t + o.to(t.dtype) for t, o in zip(loc, own)]  # what FedAvg's apply step does
-        ex.add_own(loc)
-        out[("add_own", offload)] = all(torch.equal(a, b) for a, b in zip(loc, want)) and \
+        want = [t + o.to(t.dtype) for t, o in zip(loc, at_sync)]  # what FedAvg's apply step does
+        ex.add_correction(loc)
+        out[("add_correction", offload)] = all(torch.equal(a, b) for a, b in zip(loc, want)) and \
             not all(torch.equal(a, b) for a, b in zip(loc, _data(rank, "local", torch.bfloat16)))
 
     # 4. a non-finite average is not applied to its bucket
@@ -104,26 +107,28 @@ def _worker(rank: int, world: int) -> dict:
                   "locals": loc, "before": before}
 
     # 4b. the same refusal with overlap + nesterov, on the device (the fused apply) and offloaded
-    # (staged through the scratch): the refused bucket's anchors, own copies and momentum stay
+    # (staged through the scratch): the refused bucket's anchors, local-at-sync copies and momentum stay
     for offload in (False, True):
         loc = _data(rank, "local")
         anchors = _data(0, "anchor")
         if rank == 1:
             loc[1][500] = float("inf")
-        own = [t.clone() for t in loc]
+        at_sync = [t.clone() for t in loc]
         outer = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
         outer.allocate(anchors[:2])
         for b, m in zip(outer.buffers, _data(0, "momentum")):
             b.copy_(m)  # NOTE: not zero, so a change would show
-        keep = {"anchors": [a.clone() for a in anchors], "own": [o.clone() for o in own],
+        keep = {"anchors": [a.clone() for a in anchors], "local_at_sync": [o.clone() for o in at_sync],
                 "momentum": [b.clone() for b in outer.buffers]}
         ex = DeltaExchange(TorchTransport(), loc,
                            FedAvgConfig(codec=none, bucket_cap_mb=BUCKET_MB, error_feedback=False,
                                         offload="cpu" if offload else None),
-                           ExchangeBuffers(anchors=anchors, own=own, outer=outer, momentum_index=[0, 1, None]))
+                           ExchangeBuffers(anchors=anchors, local_at_sync=at_sync, outer=outer,
+                                           momentum_index=[0, 1, None]))
         res = _run(ex, loc)
         out[("bad overlap", offload)] = {"bad_buckets": res.bad_buckets, "layout": ex.bar.layout(), "keep": keep,
-                                         "anchors": anchors, "own": own, "momentum": outer.buffers}
+                                         "anchors": anchors, "local_at_sync": at_sync,
+                                         "momentum": outer.buffers}
 
     return out
 
@@ -204,7 +209,7 @@ def test_overlap_correction_with_nesterov_matches_torch_sgd(results):
     for r, res in enumerate(results):
         o = res["overlap"]
         assert o["local_untouched"]  # the local shard keeps training: only the apply writes it
-        own0 = [t - a for t, a in zip(_data(r, "local"), anchor0)]
+        delta0 = [t - a for t, a in zip(_data(r, "local"), anchor0)]
         for i in range(len(SHAPES)):
             p = anchor0[i].clone().double().requires_grad_(False)
             if i < 2:
@@ -215,12 +220,12 @@ def test_overlap_correction_with_nesterov_matches_torch_sgd(results):
                 p = mean[i].clone()  # buffers: the plain average
             torch.testing.assert_close(o["anchor"][i].double(), p, rtol=1e-6, atol=1e-5)
             disp = p - anchor0[i].double()
-            torch.testing.assert_close(o["own"][i].double(), disp - own0[i].double(), rtol=1e-6, atol=1e-5)
+            torch.testing.assert_close(o["correction"][i].double(), disp - delta0[i].double(), rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("offload", [False, True])
-def test_add_own_is_the_apply_step(results, offload):
-    assert all(r[("add_own", offload)] for r in results)
+def test_add_correction_is_the_apply_step(results, offload):
+    assert all(r[("add_correction", offload)] for r in results)
 
 
 def test_non_finite_bucket_is_not_applied(results):
@@ -254,8 +259,8 @@ def test_non_finite_bucket_is_not_applied(results):
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_non_finite_bucket_with_overlap_and_nesterov_is_not_applied(results, offload):
-    """The refused bucket leaves the anchor, the own copy (the local shard as of the sync) and
-    the momentum as they were; every other bucket moved them (own became the correction)."""
+    """The refused bucket leaves the anchor, the local-at-sync copy and the momentum as they
+    were; every other bucket moved them (the local-at-sync copy became the correction)."""
     for r in results:
         b = r[("bad overlap", offload)]
         hit = [k for k, segs in enumerate(b["layout"]) for s in segs
@@ -264,7 +269,7 @@ def test_non_finite_bucket_with_overlap_and_nesterov_is_not_applied(results, off
         moved = 0
         for k, segs in enumerate(b["layout"]):
             for s in segs:
-                kinds = ["anchors", "own"] + (["momentum"] if s.index < 2 else [])
+                kinds = ["anchors", "local_at_sync"] + (["momentum"] if s.index < 2 else [])
                 for kind in kinds:
                     got = b[kind][s.index].reshape(-1)[s.tensor_offset:s.tensor_offset + s.length]
                     was = b["keep"][kind][s.index].reshape(-1)[s.tensor_offset:s.tensor_offset + s.length]

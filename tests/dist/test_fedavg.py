@@ -320,7 +320,7 @@ def _errors_worker(rank: int, world: int) -> dict:
     with pytest.raises(ValueError, match=r"ranks \[0, 1, 2, 3\], which leave the federation group"):
         FedAvg(m, fm2, sync_every=1)
 
-    # groups that built different models: refused on every rank of the fed group
+    # groups that built different models: refused on all shard peers
     other = make_model(0, d=8 if fm2.coords.group == 0 else 6)
     with pytest.raises(ValueError, match="do not hold the same shards"):
         FedAvg(other, fm2, sync_every=1, replicated=True)
@@ -334,7 +334,7 @@ def _errors_worker(rank: int, world: int) -> dict:
     with pytest.raises(ValueError, match="outer='avg', this run has outer='nesterov'"):
         FedAvg(model, fm2, sync_every=2, outer="nesterov", replicated=True).load_state_dict(sd2)
 
-    # NaN/Inf from one group: refused everywhere in its fed group, local weights kept
+    # NaN/Inf from one group: refused on all its shard peers, local weights kept
     for kw in ({}, {"codec": "int8", "error_feedback": True}):
         _, model, opt = build(world, 4, None, "plain", mesh=fm4)
         fed = FedAvg(model, fm4, sync_every=2, **kw)
@@ -355,7 +355,7 @@ def _errors_worker(rank: int, world: int) -> dict:
         for r in fed._exchange.state_dict().get("residuals", []):
             assert r is None or bool(torch.isfinite(r).all()), (kw, "residuals keep NaN")
 
-    # a NaN in one fed group reaches every rank of every federation group, with one message
+    # a NaN among one set of shard peers reaches every rank of every federation group, with one message
     _, model, opt = build(world, 2, None, "fsdp2", mesh=fm2)
     fed = FedAvg(model, fm2, sync_every=1, overlap_steps=1)
     loss_fn(model, *batch(fm2.coords.group, fm2.coords.index, 1)).backward()
@@ -429,7 +429,7 @@ def test_nan_refusal_reaches_every_federation_group(combined):
 
 def test_errors_nan_refusal(combined):
     """The worker's own raises are checked there; here what reached every rank of the world: a
-    NaN planted on rank 3 alone (one fed group of 2 groups) is refused on all 4 ranks, naming
+    NaN planted on rank 3 alone (one set of shard peers, of 2 groups) is refused on all 4 ranks, naming
     rank 3, with one message."""
     res = _part(combined, "errors")
     assert len(res) == 4 and all(o["bad"] == [3] for o in res), res

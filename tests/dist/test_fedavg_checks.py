@@ -13,7 +13,7 @@ R = 2) and one-rank groups.
   none, is not counted.
 * ``verify=True`` passes on every mode (codec none / int8 + error feedback, overlap, fragments,
   nesterov, offload, FL+HSDP with the sharded exchange, FSDP1, DDP) and leaves the training
-  bit for bit as without it; the blocking runs' fed groups really are equal (all_gather of the
+  bit for bit as without it; the blocking runs' shard peers really are equal (all_gather of the
   full weights). Planted drifts are caught on every rank, naming the group, its ranks and the
   step: a replica perturbed after a sync (which the sharded exchange would make equal again),
   an anchor perturbed in one group, one rank's average changed in the exchange, plain modules
@@ -259,7 +259,7 @@ def _drifts(rank: int, world: int) -> dict:
     if rank in g0:
         assert "the replicas of shard 0 in federation group 0, replicate group [0, 1]" in out["replica"]
 
-    # 2. overlap: group 1's anchor perturbed on rank 2 (fed group [0, 2]) after the first apply;
+    # 2. overlap: group 1's anchor perturbed on rank 2 (shard peers [0, 2]) after the first apply;
     # the anchors of the next sync (step 4, applied at step 5) differ
     fm, model, opt = _model(world, "fsdp2", "fl-fsdp")
     fed = FedAvg(model, fm, sync_every=2, inner_optimizer=opt, verify=True, codec="int8", error_feedback=True,
@@ -271,7 +271,7 @@ def _drifts(rank: int, world: int) -> dict:
     train(fm, model, opt, fed, range(4, 5))
     out["anchor"] = _expect_mismatch(lambda: train(fm, model, opt, fed, range(5, 6)), "fed", [0, 2], 4)
     if rank in (0, 2):
-        assert "fed group [0, 2] hold different anchors (the sync-step averages) (rank 0: " in out["anchor"]
+        assert "shard peers [0, 2] hold different anchors (the sync-step averages) (rank 0: " in out["anchor"]
 
     # 3. the paper's in-place mode: rank 2's exchange writes another average than its peer's
     fm, model, opt = _model(world, "fsdp2", "fl-fsdp")

@@ -143,7 +143,7 @@ def _local_steps(model, rank: int, t: int) -> None:
 def _held(fed) -> dict[str, int]:
     """Bytes of the storages (each counted once) that hold FedAvg's full-size buffers, and the
     part of them in host memory: what is allocated, read off the tensors themselves."""
-    ts = list(fed._anchor) + list(fed._own or []) + list(fed._outer.buffers)
+    ts = list(fed._anchor) + list(fed._local_at_sync or []) + list(fed._outer.buffers)
     ts += [r for fr in fed._frags if fr.exchange is not None for r in fr.exchange.bar.residuals() if r is not None]
     storages = {t.untyped_storage().data_ptr(): (t.untyped_storage().nbytes(), t.device.type) for t in ts}
     return {"all": sum(n for n, _ in storages.values()),
@@ -217,7 +217,7 @@ def test_memory_stats_match_the_cost_models_shard_copies(memory_results, name):
         want_dev = fedavg_shard_copies(plan) * shard
         assert want_dev <= on_device <= want_dev + (0 if "offload" in extra else slack), (name, m)
         # NOTE: against what is allocated: the storages behind the buffers (one per kind), and the
-        # model's own sizes for the anchor, own copy and momentum
+        # model's own sizes for the anchor, local-at-sync copy and momentum
         model = s["model_bytes"]
         assert m["anchor"] == (0 if name == "paper" else model), (name, m)
         assert m["own"] == (model if kw.get("overlap_steps") else 0), (name, m)

@@ -5,7 +5,7 @@
   within fp32 tolerance of the single-process simulation (tests/common/fedavg_sim.py);
 * the exchange job reads no tensor value on the host, and the training thread reads one per
   apply (the refusal flags), none per start;
-* with offload the training thread subtracts nothing (the job's pack takes the own delta).
+* with offload the training thread subtracts nothing (the job's pack takes the delta from local_at_sync).
 
 exposed_comm_s's accounting is in tests/unit/test_exposed_time.py.
 """

@@ -1,5 +1,5 @@
 """The sharded FedAvg exchange of FL+HSDP on 8 gloo ranks, (F, R, S) = (2, 2, 2): replica r
-averages only slice r of every bucket over the fed group and the slices are all-gathered over a
+averages only slice r of every bucket over the shard peers and the slices are all-gathered over a
 private replicate group.
 
 * The exchange alone (DeltaExchange): the average equals the mean of every rank's regenerated

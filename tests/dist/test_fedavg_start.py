@@ -86,7 +86,7 @@ def _first_step_worker(rank: int, world: int) -> dict:
 
 def test_the_groups_leave_the_first_step_together():
     """The first step's one-time costs differ between groups: FedAvg's first ``step()`` is a
-    barrier over the group and the fed group, so the first sync's step does not wait for them.
+    barrier over the group and the shard peers, so the first sync's step does not wait for them.
     Every rank leaves that call after the late group entered it (no sync has run)."""
     res = run_distributed(_first_step_worker, 4, timeout=120)
     late = max(r["entered"] for r in res if r["group"] == 1)

@@ -10,8 +10,8 @@ own), so a slowed group runs fewer steps per round. Checked, to 1e-6:
   the same anchor after each round: the replica check raises otherwise);
 * 8 ranks: FL+FSDP with F = 4 and one group 3x slower; FL+HSDP (F = 2, R = 2, S = 2) with the
   sharded exchange, overlap and Nesterov;
-* every round's record (``FedAvg.rounds``): the groups, their tokens and steps, staleness 0, and
-  the step each group started it at;
+* every round's record (``FedAvg.schedule.rounds``): the groups, their tokens and steps, staleness
+  0, and the step each group started it at;
 * int8 with error feedback stays within the codec's stated tolerance of the weighted reference,
   and 5x closer to it than the unweighted mean is: the weights are not lost in the codec.
 """
@@ -56,7 +56,7 @@ def _run(world: int, case: dict) -> dict:
     fed = FedAvg(model, fm, sync_period_s=case["period"], clock=lambda: clock_steps[0] * s_f,
                  inner_optimizer=opt, **fk)
     assert fed.config.timed and not fed.starts_sync(1)
-    while fed.sync_events < case["events"]:
+    while fed.schedule.events < case["events"]:
         clock_steps[0] += 1
         n = clock_steps[0]
         loss_fn(model, *batch(c.group, c.index, n)).backward()
@@ -78,7 +78,7 @@ def _run(world: int, case: dict) -> dict:
         out["unweighted_gap"] = max((plain[c.group][n] - want[n]).abs().max().item() for n in want) / scale
     else:
         out["worst"] = compare(state, want, f"{case}", rtol=0.0, atol=TOL)
-    got = [(r.round, r.fragment, r.groups, r.tokens, r.steps, r.staleness, r.step) for r in fed.rounds]
+    got = [(r.round, r.fragment, r.groups, r.tokens, r.steps, r.staleness, r.step) for r in fed.schedule.rounds]
     expect = [(r["round"], r["fragment"], list(range(F)), r["tokens"], r["steps"], [0] * F, r["start"][c.group])
               for r in records]
     assert got == expect, (got, expect)

@@ -76,7 +76,7 @@ def test_every_survivor_of_a_lost_native_peer_ends_within_twice_the_timeout(S, f
         msg = got["error"]
         assert "the watchdog aborted the communicator" in msg, msg
         assert f"did not complete within {TIMEOUT_S:g} s" in msg, msg
-        # NOTE: the communicator that hung names its members: rank 1's fed peer and rank 2's group
+        # NOTE: the communicator that hung names its members: rank 1's shard peer and rank 2's group
         # peer is rank 3; rank 0's group peer is rank 1, whose own exchange hung on rank 3
         members = {0: "[0, 1]", 1: f"[1, {VICTIM}]", 2: f"[2, {VICTIM}]"}[r]
         assert f"NCCL communicator of global ranks {members}" in msg, msg

@@ -820,7 +820,7 @@ def test_offload_bf16_fragments_bit_for_bit_on_cpu():
 def test_offload_bf16_fragments_bit_for_bit():
     """FedAvg with bf16 parameters, two fragments, Nesterov, overlap k = 2 > E / K = 1 (each
     apply meets the other fragment's exchange in flight: W2), over the slow wire (no delay), 8
-    steps, with offload="cpu" (anchors, own copies, momentum in pinned host memory) and
+    steps, with offload="cpu" (anchors, local-at-sync copies, momentum in pinned host memory) and
     without; each staged piece held in the scratch ~2 ms (:func:`_slow_staging`). Codec none,
     not int8 + error feedback as first asked: offload shrinks the buckets so that a bucket's
     device buffers fit in two buckets, which moves the int8 blocks and chunk boundaries, so lossy
@@ -845,19 +845,19 @@ def test_offload_bf16_fragments_bit_for_bit():
 # ---------------------------------------------------------------- 6. the residual after an Inf gradient
 
 def _mirror_ref(x: Tensor, residual: Tensor, fmt: str, block: int) -> tuple[Tensor, Tensor]:
-    """Plain torch (flcomm.kernels' *_ref twins): compressed_all_reduce's avg with error feedback
+    """Plain torch (flcomm.ops.quant's *_ref twins): compressed_all_reduce's avg with error feedback
     as rank 0 of two ranks whose peer is its mirror (SlowWire). On two ranks it is one all-gather
     (flcomm.collectives.compressed.gathers): the whole tensor is encoded once with the residual,
     both ranks' encodings (the same) are gathered, and the result is the first decoded, the
     second added, divided by 2. Returns (result, new residual)."""
-    from flcomm import kernels
+    from flcomm.ops import quant
 
     r = residual.clone()
-    q = torch.empty(kernels.encoded_nbytes(x.numel(), fmt, block), dtype=torch.uint8)
-    kernels.quantize_error_feedback_ref(x, r, q, fmt=fmt, block_size=block)
+    q = torch.empty(quant.encoded_nbytes(x.numel(), fmt, block), dtype=torch.uint8)
+    quant.quantize_error_feedback_ref(x, r, q, fmt=fmt, block_size=block)
     out = torch.empty(x.numel())
-    kernels.dequantize_ref(q, out, fmt=fmt, block_size=block)
-    kernels.dequantize_ref(q, out, fmt=fmt, block_size=block, accumulate=True)
+    quant.dequantize_ref(q, out, fmt=fmt, block_size=block)
+    quant.dequantize_ref(q, out, fmt=fmt, block_size=block, accumulate=True)
     return out.div_(2), r
 
 

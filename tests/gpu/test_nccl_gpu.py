@@ -668,14 +668,14 @@ def _offload_exchange(dev: torch.device) -> dict:
     shapes = [(1 << 20,), (3, 100_001), (257,)]
     loc = [torch.randn(s, generator=g).to(dev) for s in shapes]
     anchor0 = [torch.randn(s, generator=g) for s in shapes]
-    own0 = [(t.cpu() - a) for t, a in zip(loc, anchor0)]
+    at_sync0 = [(t.cpu() - a) for t, a in zip(loc, anchor0)]
     res: dict = {}
     for offload in (True, False):  # NOTE: the offloaded run first: its bucket size is the device run's
         if offload:
-            state = [[t.clone().pin_memory() if cuda else t.clone() for t in ts] for ts in (anchor0, own0)]
+            state = [[t.clone().pin_memory() if cuda else t.clone() for t in ts] for ts in (anchor0, at_sync0)]
         else:
-            state = [[t.to(dev, copy=True) for t in ts] for ts in (anchor0, own0)]
-        anchors, own = state
+            state = [[t.to(dev, copy=True) for t in ts] for ts in (anchor0, at_sync0)]
+        anchors, at_sync = state
         outer = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
         outer.allocate(anchors[:2])
         if offload and cuda:
@@ -684,7 +684,8 @@ def _offload_exchange(dev: torch.device) -> dict:
         ex = DeltaExchange(SlowWire(dev), loc,
                            FedAvgConfig(codec=get_codec("int8"), bucket_cap_mb=mb, error_feedback=True,
                                         offload="cpu" if offload else None),
-                           ExchangeBuffers(anchors=anchors, own=own, outer=outer, momentum_index=[0, 1, None]))
+                           ExchangeBuffers(anchors=anchors, local_at_sync=at_sync, outer=outer,
+                                           momentum_index=[0, 1, None]))
         applied = [t.clone() for t in loc]
         if cuda:
             torch.cuda.synchronize()
@@ -692,11 +693,11 @@ def _offload_exchange(dev: torch.device) -> dict:
         base = torch.cuda.memory_allocated(dev) if cuda else 0
         for _ in range(2):  # the second run reuses the buffers of the first
             get_engine(dev).submit(lambda j: ex.run(j, loc), "offload test").wait(60)
-        ex.add_own(applied)  # the apply step, on this stream
+        ex.add_correction(applied)  # the apply step, on this stream
         if cuda:
             torch.cuda.synchronize()
         res[offload] = {"extra": torch.cuda.max_memory_allocated(dev) - base if cuda else None,
-                        "anchors": [a.cpu() for a in anchors], "own": [o.cpu() for o in own],
+                        "anchors": [a.cpu() for a in anchors], "corrections": [o.cpu() for o in at_sync],
                         "applied": [t.cpu() for t in applied],
                         "momentum": [b.cpu() for b in outer.buffers], "mem": ex.memory_bytes(),
                         "bucket_numels": ex.bar.bucket_numels,
@@ -710,7 +711,7 @@ def _check_offload_exchange(res: dict) -> None:
     assert dev["bucket_numels"] == off["bucket_numels"], (dev["bucket_numels"], off["bucket_numels"])
     # NOTE: the lossless path folds the residual in and zeroes it: a residual left means int8 + EF ran
     assert dev["residual_abs"] > 0 and off["residual_abs"] > 0, "the exchange took the lossless path"
-    for key in ("anchors", "own", "momentum", "applied"):
+    for key in ("anchors", "corrections", "momentum", "applied"):
         for a, b in zip(dev[key], off[key]):
             assert torch.equal(a, b), key
     assert off["mem"]["staging"] + off["mem"]["transient"] <= 2 * off["bucket"], off["mem"]
@@ -725,7 +726,7 @@ def test_offloaded_exchange_on_cpu():
 @pytest.mark.timeout(180)
 def test_offloaded_exchange_on_the_gpu():
     """Pass rule: the offloaded and the device runs (same buckets) agree bit for bit in anchors,
-    own corrections, momentum and the applied shards; int8 + error feedback ran (residuals left);
+    corrections, momentum and the applied shards; int8 + error feedback ran (residuals left);
     the offloaded run allocates at most two buckets on the GPU (staging buffer, scratch, plan)."""
     res = _offload_exchange(torch.device("cuda", torch.cuda.current_device()))
     off = res[True]

@@ -1,5 +1,5 @@
 """The CUDA sparse top-k kernels (csrc/sparse_cuda.cu) against the CPU kernel (csrc/sparse.cpp)
-and the plain-torch reference (flcomm/sparse.py, run on the CPU), bit for bit: every byte of the
+and the plain-torch reference (flcomm/ops/topk.py, run on the CPU), bit for bit: every byte of the
 encoding (written into a buffer of garbage), the error-feedback residual and the decoded and
 accumulated outputs, compared as int32 so NaN bits count too (skipped without a GPU; see
 tests/conftest.py).
@@ -23,9 +23,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flcomm import kernels, sparse
+from flcomm.ops import quant, topk
 
-pytestmark = pytest.mark.skipif(not kernels.native_supports("cpu", sparse.OPS),
+pytestmark = pytest.mark.skipif(not quant.native_supports("cpu", topk.OPS),
                                 reason="flcomm._C without the sparse top-k kernels (build with tools/dev_build.sh)")
 
 BLOCKS = [4096, 1000, 256]
@@ -91,10 +91,10 @@ def encode3(x: torch.Tensor, block: int, k: int, bits: int, r: torch.Tensor | No
     """(buffer, residual) of CUDA (into garbage), of the CPU kernel and of the reference."""
     out = []
     for dev, backend in (("cuda", "native"), ("cpu", "native"), ("cpu", "torch")):
-        nbytes = sparse.encoded_nbytes(x.numel(), block, k, bits)
+        nbytes = topk.encoded_nbytes(x.numel(), block, k, bits)
         buf = torch.full((nbytes,), 0xA5, dtype=torch.uint8, device=dev)
         res = r.clone().to(dev) if r is not None else None
-        sparse.topk_encode(x.to(dev), buf, block=block, k=k, bits=bits, residual=res, backend=backend)
+        topk.topk_encode(x.to(dev), buf, block=block, k=k, bits=bits, residual=res, backend=backend)
         out.append((buf.cpu(), res.cpu() if res is not None else None))
     return out
 
@@ -113,11 +113,11 @@ def check_case(x: torch.Tensor, block: int, k: int, bits: int, r: torch.Tensor |
     base[::7] = -0.0
     base.view(torch.int32)[::13] = NAN
     for acc in (False, True):
-        got = sparse.topk_decode(g_buf.cuda(), n, base.cuda() if acc else torch.full((n,), 7.0, device="cuda"),
+        got = topk.topk_decode(g_buf.cuda(), n, base.cuda() if acc else torch.full((n,), 7.0, device="cuda"),
                                  block=block, k=k, bits=bits, accumulate=acc, backend="native")
-        cpu = sparse.topk_decode(c_buf, n, base.clone() if acc else None, block=block, k=k, bits=bits,
+        cpu = topk.topk_decode(c_buf, n, base.clone() if acc else None, block=block, k=k, bits=bits,
                                  accumulate=acc, backend="native")
-        ref = sparse.topk_decode(c_buf, n, base.clone() if acc else None, block=block, k=k, bits=bits,
+        ref = topk.topk_decode(c_buf, n, base.clone() if acc else None, block=block, k=k, bits=bits,
                                  accumulate=acc, backend="torch")
         assert same(cpu, ref), ("CPU kernel vs reference decode", *case, acc)
         assert same(got, cpu), ("CUDA vs CPU decode", *case, acc)
@@ -127,7 +127,7 @@ def check_case(x: torch.Tensor, block: int, k: int, bits: int, r: torch.Tensor |
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("block", BLOCKS)
 def test_cuda_matches_cpu_and_reference(block, bits):
-    assert kernels.native_supports("cuda", sparse.OPS), "flcomm._C without the CUDA sparse top-k kernels"
+    assert quant.native_supports("cuda", topk.OPS), "flcomm._C without the CUDA sparse top-k kernels"
     for n in sizes(block):
         x = special_input(n + 1, block, n + block)
         for k in ks(block):
@@ -160,9 +160,9 @@ def test_cuda_more_blocks_than_the_grid():
 @pytest.mark.gpu
 def test_cuda_empty():
     for r in (None, torch.zeros(0, device="cuda")):
-        buf = sparse.topk_encode(torch.zeros(0, device="cuda"), block=256, k=5, bits=4, residual=r, backend="native")
+        buf = topk.topk_encode(torch.zeros(0, device="cuda"), block=256, k=5, bits=4, residual=r, backend="native")
         assert buf.numel() == 0 and buf.is_cuda
-    out = sparse.topk_decode(buf, 0, block=256, k=5, bits=4, backend="native")
+    out = topk.topk_decode(buf, 0, block=256, k=5, bits=4, backend="native")
     assert out.numel() == 0
     torch.cuda.synchronize()
 
@@ -188,9 +188,9 @@ def test_cuda_nan_bits_are_the_references():
             assert same(g_res, t_res), [hex(v & 0xFFFFFFFF) for v in bits_of(g_res)[:10].tolist()]
     base = torch.randn(n)
     base.view(torch.int32)[::3] = -0x3EDCBB  # accumulate onto 0xffc12345
-    got = sparse.topk_decode(t_buf.cuda(), n, base.cuda(), block=block, k=k, bits=bits, accumulate=True,
+    got = topk.topk_decode(t_buf.cuda(), n, base.cuda(), block=block, k=k, bits=bits, accumulate=True,
                              backend="native")
-    ref = sparse.topk_decode(t_buf, n, base.clone(), block=block, k=k, bits=bits, accumulate=True, backend="torch")
+    ref = topk.topk_decode(t_buf, n, base.clone(), block=block, k=k, bits=bits, accumulate=True, backend="torch")
     assert same(got, ref)
 
 
@@ -199,24 +199,24 @@ def test_cuda_runs_on_the_callers_stream():
     x = special_input(5 * 4096 + 17, 4096, 11).cuda()
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
-        buf = sparse.topk_encode(x, block=4096, k=82, bits=4, backend="native")
-        y = sparse.topk_decode(buf, x.numel(), block=4096, k=82, bits=4, backend="native")
+        buf = topk.topk_encode(x, block=4096, k=82, bits=4, backend="native")
+        y = topk.topk_decode(buf, x.numel(), block=4096, k=82, bits=4, backend="native")
     s.synchronize()
-    ref = sparse.topk_encode(x.cpu(), block=4096, k=82, bits=4, backend="native")
+    ref = topk.topk_encode(x.cpu(), block=4096, k=82, bits=4, backend="native")
     assert torch.equal(buf.cpu(), ref)
-    assert same(y, sparse.topk_decode(ref, x.numel(), block=4096, k=82, bits=4, backend="native"))
+    assert same(y, topk.topk_decode(ref, x.numel(), block=4096, k=82, bits=4, backend="native"))
 
 
 @pytest.mark.gpu
 def test_cuda_misaligned_buffer_is_rejected_before_launch():
     n, block, k, bits = 1000, 256, 5, 4
     x = torch.randn(n, device="cuda")
-    nbytes = sparse.encoded_nbytes(n, block, k, bits)
+    nbytes = topk.encoded_nbytes(n, block, k, bits)
     buf = torch.zeros(nbytes + 16, dtype=torch.uint8, device="cuda")[1: 1 + nbytes]
     with pytest.raises(ValueError, match="4-byte aligned address"):
-        sparse.topk_encode(x, buf, block=block, k=k, bits=bits, backend="native")
+        topk.topk_encode(x, buf, block=block, k=k, bits=bits, backend="native")
     with pytest.raises(ValueError, match="4-byte aligned address"):
-        sparse.topk_decode(buf, n, block=block, k=k, bits=bits, backend="native")
+        topk.topk_decode(buf, n, block=block, k=k, bits=bits, backend="native")
     # the operators themselves, under the Python checks
     with pytest.raises(RuntimeError, match="4-byte aligned address"):
         torch.ops.flcomm.topk_encode(x, None, buf, block, k, bits)
@@ -224,4 +224,4 @@ def test_cuda_misaligned_buffer_is_rejected_before_launch():
         torch.ops.flcomm.topk_decode(buf, torch.empty(n, device="cuda"), block, k, bits, False)
     torch.cuda.synchronize()  # the context is still healthy
     assert torch.equal(buf, torch.zeros_like(buf)), "a misaligned buffer was written"
-    assert sparse.topk_encode(x, block=block, k=k, bits=bits, backend="native").is_cuda
+    assert topk.topk_encode(x, block=block, k=k, bits=bits, backend="native").is_cuda

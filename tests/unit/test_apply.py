@@ -1,4 +1,4 @@
-"""The exchange's fused apply (flcomm/apply.py; csrc/apply.cpp, csrc/apply_cuda.cu) against the
+"""The exchange's fused apply (flcomm/ops/apply.py; csrc/apply.cpp, csrc/apply_cuda.cu) against the
 formula written out here with torch's elementwise ops, bit for bit, on every backend: the native
 CPU kernel (one and two threads), the plain-torch fallback, and CUDA where a GPU is visible.
 Where ``ok`` is False nothing is written, a NaN average included; bad input is refused with what
@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flcomm import _native, kernels
-from flcomm.apply import OPS, apply_average
+from flcomm import _native
+from flcomm.ops import quant
+from flcomm.ops.apply import OPS, apply_average
 
-needs_native = pytest.mark.skipif(not kernels.native_supports("cpu", OPS),
+needs_native = pytest.mark.skipif(not quant.native_supports("cpu", OPS),
                                   reason=f"flcomm._C without apply_average: {_native.unavailable_reason()}")
 
 SIZES = [0, 1, 7, 1000, 200_003]  # the last spans several of the kernel's parallel chunks
@@ -97,7 +98,7 @@ def test_bad_input_is_refused_with_what_was_expected():
 @needs_native
 @pytest.mark.gpu
 def test_cuda_kernel_is_the_formula_bit_for_bit():
-    assert kernels.native_supports("cuda", OPS)
+    assert quant.native_supports("cuda", OPS)
     _check("native", "cuda")
     # the flag is read on the device: a False made there leaves everything as it was
     mean, anchor, target = _inputs(1000, torch.float32, "cuda")

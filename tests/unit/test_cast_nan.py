@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flcomm import kernels
+from flcomm.ops import quant
 
-pytestmark = pytest.mark.skipif(not kernels.native_supports("cpu"),
+pytestmark = pytest.mark.skipif(not quant.native_supports("cpu"),
                                 reason="flcomm._C without quantization kernels (build with tools/dev_build.sh)")
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -40,7 +40,7 @@ def nan_input() -> torch.Tensor:
 
 
 def payload_bits(enc: torch.Tensor, n: int, fmt: str) -> torch.Tensor:
-    return kernels.split_encoded(enc, n, fmt, 256)[0].view(torch.int16)
+    return quant.split_encoded(enc, n, fmt, 256)[0].view(torch.int16)
 
 
 def torch_bits(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -56,10 +56,10 @@ def torch_bits(x: torch.Tensor, fmt: str) -> torch.Tensor:
 def test_cpu_nan_bytes_are_torchs(fmt, path, monkeypatch):
     monkeypatch.setenv("FLCOMM_CPU_VEC", "1" if path == "avx2" else "0")
     x = nan_input()
-    got = payload_bits(kernels.quantize(x, fmt=fmt, backend="native"), x.numel(), fmt)
+    got = payload_bits(quant.quantize(x, fmt=fmt, backend="native"), x.numel(), fmt)
     assert torch.equal(got, torch_bits(x, fmt)), [hex(v & 0xFFFF) for v in got.tolist()]
     r = torch.zeros_like(x)
-    got_ef = payload_bits(kernels.quantize_error_feedback(x, r, fmt=fmt, backend="native"), x.numel(), fmt)
+    got_ef = payload_bits(quant.quantize_error_feedback(x, r, fmt=fmt, backend="native"), x.numel(), fmt)
     # NOTE: the sum x + 0 keeps a NaN operand on x86, sign included
     assert torch.equal(got_ef, torch_bits(x, fmt)), [hex(v & 0xFFFF) for v in got_ef.tolist()]
 
@@ -71,8 +71,8 @@ def test_cuda_nan_bytes_are_the_cpus(fmt):
     x = nan_input()
     for xs in (x, x[1:]):
         n = xs.numel()
-        got = payload_bits(kernels.quantize(xs.cuda(), fmt=fmt, backend="native").cpu(), n, fmt)
-        cpu = payload_bits(kernels.quantize(xs, fmt=fmt, backend="native"), n, fmt)
+        got = payload_bits(quant.quantize(xs.cuda(), fmt=fmt, backend="native").cpu(), n, fmt)
+        cpu = payload_bits(quant.quantize(xs, fmt=fmt, backend="native"), n, fmt)
         assert torch.equal(got, torch_bits(xs, fmt)), [hex(v & 0xFFFF) for v in got.tolist()]
         assert torch.equal(got, cpu)
         # error feedback: only torch's positive NaN here. NOTE: the sign of a NaN made by
@@ -80,7 +80,7 @@ def test_cuda_nan_bytes_are_the_cpus(fmt):
         # negative operand's sign (csrc/quant.h)
         pos = torch.where(xs.isnan(), torch.full_like(xs, float("nan")), xs)
         r = torch.zeros(n, device="cuda")
-        got_ef = payload_bits(kernels.quantize_error_feedback(pos.cuda(), r, fmt=fmt, backend="native").cpu(), n,
+        got_ef = payload_bits(quant.quantize_error_feedback(pos.cuda(), r, fmt=fmt, backend="native").cpu(), n,
                               fmt)
         assert torch.equal(got_ef, torch_bits(pos, fmt)), [hex(v & 0xFFFF) for v in got_ef.tolist()]
         assert bool(r.isnan().cpu().eq(pos.isnan()).all()), "residual NaN where the input is NaN, finite elsewhere"

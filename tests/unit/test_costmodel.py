@@ -300,7 +300,7 @@ def _all_plans(c, wl):
 
 def test_memory_per_rank_formula():
     """N = 1e6 on 2 nodes x 2: int8 + error feedback + nesterov + overlap keeps four fp32 copies of
-    the N / S shard (anchor, residual, momentum, own copy); the paper's mode none."""
+    the N / S shard (anchor, residual, momentum, local-at-sync copy); the paper's mode none."""
     wl = workload(fsdp_units=4, activation_bytes=123.0)
     full = Plan("fl-fsdp", group_size=2, shard_size=None,
                 fedavg=FedAvgConfig(sync_every=4, codec="int8", error_feedback=True, outer="nesterov", overlap_steps=1))
@@ -383,7 +383,7 @@ def test_cli_measure_without_a_job_says_how_to_launch(capsys, monkeypatch):
 def test_cli_explicit_flag_beats_preset_even_at_parser_default(tmp_path, capsys):
     out = tmp_path / "p.json"
     assert cm.main(["--preset", "llama3.1-8b-leonardo", "--fsdp-overlap", "0", "--json", str(out)]) == 0
-    pr = cm.PRESETS["llama3.1-8b-leonardo"]
+    pr = cm.CLUSTER_PRESETS["llama3.1-8b-leonardo"]
     c = Cluster(pr["nodes"], pr["ranks_per_node"], Link.gbit(pr["intra_gbit"], pr["intra_lat_us"]),
                 Link.gbit(pr["inter_gbit"], pr["inter_lat_us"]))
     wl = Workload(pr["params"], pr["tokens_per_rank"],

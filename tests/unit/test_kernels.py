@@ -14,13 +14,13 @@ import zlib
 import pytest
 import torch
 
-from flcomm import kernels
+from flcomm.ops import quant
 from tests.common import format_ref
 from tests.common.markers import NO_AVX512
 
 # NOTE: per test, not per module: the plain-torch path's tests run without the extension too
 # (FLCOMM_NATIVE=0, CI's no-extension step)
-needs_native = pytest.mark.skipif(not kernels.native_supports("cpu"),
+needs_native = pytest.mark.skipif(not quant.native_supports("cpu"),
                                   reason="flcomm._C without quantization kernels (build with tools/dev_build.sh)")
 
 FORMATS = ["int8", "fp8", "bf16", "fp16"]
@@ -106,7 +106,7 @@ def compare(device: str, backend_a: str = "native", backend_b: str = "torch", qu
     count = 0
     sizes = SIZES[:-1] if quick else SIZES
     for fmt in FORMATS:
-        blocks = BLOCKS if fmt in kernels.BLOCKED_FORMATS else [256]
+        blocks = BLOCKS if fmt in quant.BLOCKED_FORMATS else [256]
         for B in blocks:
             for n in sizes:
                 for mag in MAGS:
@@ -114,22 +114,22 @@ def compare(device: str, backend_a: str = "native", backend_b: str = "torch", qu
                     x = _x(n, mag, seed)
                     r = _x(n, mag * 0.01, seed + 1)
                     case = (fmt, B, n, mag)
-                    ref = kernels.quantize(x, fmt=fmt, block_size=B, backend=backend_b)
-                    got = kernels.quantize(x.to(device), fmt=fmt, block_size=B, backend=backend_a).cpu()
+                    ref = quant.quantize(x, fmt=fmt, block_size=B, backend=backend_b)
+                    got = quant.quantize(x.to(device), fmt=fmt, block_size=B, backend=backend_a).cpu()
                     assert torch.equal(got, ref), ("quantize", case, int((got != ref).sum()))
-                    d_ref = kernels.dequantize(ref, n, fmt=fmt, block_size=B, backend=backend_b)
-                    d_got = kernels.dequantize(ref.to(device), n, fmt=fmt, block_size=B, backend=backend_a).cpu()
+                    d_ref = quant.dequantize(ref, n, fmt=fmt, block_size=B, backend=backend_b)
+                    d_got = quant.dequantize(ref.to(device), n, fmt=fmt, block_size=B, backend=backend_a).cpu()
                     assert same(d_got, d_ref), ("dequantize", case)
                     acc_ref = r.clone()
-                    kernels.dequantize(ref, n, acc_ref, fmt=fmt, block_size=B, accumulate=True, backend=backend_b)
+                    quant.dequantize(ref, n, acc_ref, fmt=fmt, block_size=B, accumulate=True, backend=backend_b)
                     acc_got = r.clone().to(device)  # NOTE: r.to('cpu') is r itself
-                    kernels.dequantize(ref.to(device), n, acc_got, fmt=fmt, block_size=B, accumulate=True,
+                    quant.dequantize(ref.to(device), n, acc_got, fmt=fmt, block_size=B, accumulate=True,
                                        backend=backend_a)
                     assert same(acc_got.cpu(), acc_ref), ("dequantize-accumulate", case)
                     res_ref = r.clone()
-                    e_ref = kernels.quantize_error_feedback(x, res_ref, fmt=fmt, block_size=B, backend=backend_b)
+                    e_ref = quant.quantize_error_feedback(x, res_ref, fmt=fmt, block_size=B, backend=backend_b)
                     res_got = r.clone().to(device)  # NOTE: r.to('cpu') is r itself
-                    e_got = kernels.quantize_error_feedback(x.to(device), res_got, fmt=fmt, block_size=B,
+                    e_got = quant.quantize_error_feedback(x.to(device), res_got, fmt=fmt, block_size=B,
                                                             backend=backend_a)
                     assert torch.equal(e_got.cpu(), e_ref), ("error feedback: encoding", case)
                     assert same(res_got.cpu(), res_ref), ("error feedback: residual", case)
@@ -150,16 +150,16 @@ def test_torch_path_matches_the_definition():
     magnitudes, the largest size left out."""
     count = 0
     for fmt in FORMATS:
-        for B in BLOCKS if fmt in kernels.BLOCKED_FORMATS else [256]:
+        for B in BLOCKS if fmt in quant.BLOCKED_FORMATS else [256]:
             for n in SIZES[:-1]:
                 for mag in MAGS:
                     seed = stable_seed(fmt, B, n, mag)
                     x, r = _x(n, mag, seed), _x(n, mag * 0.01, seed + 1)
-                    enc = kernels.quantize(x, fmt=fmt, block_size=B, backend="torch")
+                    enc = quant.quantize(x, fmt=fmt, block_size=B, backend="torch")
                     acc, res = r.clone(), r.clone()
-                    kernels.dequantize(enc, n, acc, fmt=fmt, block_size=B, accumulate=True, backend="torch")
-                    e_ef = kernels.quantize_error_feedback(x, res, fmt=fmt, block_size=B, backend="torch")
-                    check_definition(x, r, enc, kernels.dequantize(enc, n, fmt=fmt, block_size=B, backend="torch"),
+                    quant.dequantize(enc, n, acc, fmt=fmt, block_size=B, accumulate=True, backend="torch")
+                    e_ef = quant.quantize_error_feedback(x, res, fmt=fmt, block_size=B, backend="torch")
+                    check_definition(x, r, enc, quant.dequantize(enc, n, fmt=fmt, block_size=B, backend="torch"),
                                      acc, e_ef, res, fmt, B)
                     count += 1
     assert count == (2 * len(BLOCKS) + 2) * (len(SIZES) - 1) * len(MAGS)
@@ -182,8 +182,8 @@ def test_dequantize_every_byte_bit_for_bit(cpu_path, fmt):
     B = 256
     scales = torch.tensor([1.0, 3.0e-3, 2.0 ** -140, 0.0, float("nan"), 7.5e30, -1.0])
     n = B * scales.numel() - 5  # a partial last block
-    buf = torch.zeros(kernels.encoded_nbytes(n, fmt, B), dtype=torch.uint8)
-    payload, sc = kernels.split_encoded(buf, n, fmt, B)
+    buf = torch.zeros(quant.encoded_nbytes(n, fmt, B), dtype=torch.uint8)
+    payload, sc = quant.split_encoded(buf, n, fmt, B)
     payload.view(torch.uint8).copy_(torch.arange(n) % 256)
     sc.copy_(scales)
     codes = payload.view(torch.uint8)
@@ -198,10 +198,10 @@ def test_dequantize_every_byte_bit_for_bit(cpu_path, fmt):
         diff = (got.view(torch.int32) != want.view(torch.int32)) & ~either
         assert not diff.any() and got[either].isnan().all(), (what, fmt, diff.nonzero()[:4].flatten().tolist())
 
-    check(kernels.dequantize(buf, n, fmt=fmt, block_size=B, backend=cpu_path), expect, "dequantize")
+    check(quant.dequantize(buf, n, fmt=fmt, block_size=B, backend=cpu_path), expect, "dequantize")
     acc = torch.linspace(-2, 2, n)
     want = acc + expect
-    kernels.dequantize(buf, n, acc, fmt=fmt, block_size=B, accumulate=True, backend=cpu_path)
+    quant.dequantize(buf, n, acc, fmt=fmt, block_size=B, accumulate=True, backend=cpu_path)
     check(acc, want, "dequantize-accumulate")
 
 
@@ -215,12 +215,12 @@ def test_dequantize_large_output_bit_for_bit(monkeypatch, vec, fmt):
     B = 256
     n = (32 << 20) // 4 + 3 * B + 5
     x = _x(n, 1.0, stable_seed("large", fmt))
-    enc = kernels.quantize(x, fmt=fmt, block_size=B, backend="torch")
-    want = kernels.dequantize(enc, n, fmt=fmt, block_size=B, backend="torch")
-    assert torch.equal(kernels.dequantize(enc, n, fmt=fmt, block_size=B, backend="native"), want)
+    enc = quant.quantize(x, fmt=fmt, block_size=B, backend="torch")
+    want = quant.dequantize(enc, n, fmt=fmt, block_size=B, backend="torch")
+    assert torch.equal(quant.dequantize(enc, n, fmt=fmt, block_size=B, backend="native"), want)
     base = torch.empty(n + 1)
     shifted = base[1:]  # 4 bytes past a 64-byte boundary: plain stores
-    kernels.dequantize(enc, n, shifted, fmt=fmt, block_size=B, backend="native")
+    quant.dequantize(enc, n, shifted, fmt=fmt, block_size=B, backend="native")
     assert torch.equal(shifted, want)
 
 
@@ -238,22 +238,22 @@ def test_quantize_large_input_bit_for_bit(monkeypatch, vec, fmt, ef):
     x[7 * B + 3] = float("nan")
     r0 = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-3
     r_want = r0.clone()
-    want = (kernels.quantize_error_feedback(x, r_want, fmt=fmt, block_size=B, backend="torch") if ef
-            else kernels.quantize(x, fmt=fmt, block_size=B, backend="torch"))
-    E = kernels.encoded_nbytes(n, fmt, B)
+    want = (quant.quantize_error_feedback(x, r_want, fmt=fmt, block_size=B, backend="torch") if ef
+            else quant.quantize(x, fmt=fmt, block_size=B, backend="torch"))
+    E = quant.encoded_nbytes(n, fmt, B)
     for shift in (0, 4):  # 0: a 64-byte aligned buffer (streaming stores); 4: plain stores
         base = torch.full((E + 64,), 0xAB, dtype=torch.uint8)
         buf = base[shift:shift + E]
         r = r0.clone()
         if ef:
-            kernels.quantize_error_feedback(x, r, buf, fmt=fmt, block_size=B, backend="native")
+            quant.quantize_error_feedback(x, r, buf, fmt=fmt, block_size=B, backend="native")
             assert torch.equal(r.view(torch.int32), r_want.view(torch.int32)), (fmt, shift)
         else:
-            kernels.quantize(x, buf, fmt=fmt, block_size=B, backend="native")
+            quant.quantize(x, buf, fmt=fmt, block_size=B, backend="native")
         assert torch.equal(buf, want), (fmt, shift, (buf != want).nonzero()[:4].flatten().tolist())
 
 
-# ---- the non-finite / tiny-block rule (csrc/quant.h, flcomm/kernels.py docstring) ----
+# ---- the non-finite / tiny-block rule (csrc/quant.h, flcomm/ops/quant.py docstring) ----
 
 def rule_input(B: int) -> tuple[torch.Tensor, dict[str, list[int]]]:
     """Blocks of B elements: kind -> block indices. The last block is partial."""
@@ -289,9 +289,9 @@ def rule_input(B: int) -> tuple[torch.Tensor, dict[str, list[int]]]:
 def test_non_finite_and_tiny_blocks(cpu_path, fmt, B):
     x, kinds = rule_input(B)
     n = x.numel()
-    enc = kernels.quantize(x, fmt=fmt, block_size=B, backend=cpu_path)
-    payload, scales = kernels.split_encoded(enc, n, fmt, B)
-    dec = kernels.dequantize(enc, n, fmt=fmt, block_size=B, backend=cpu_path)
+    enc = quant.quantize(x, fmt=fmt, block_size=B, backend=cpu_path)
+    payload, scales = quant.split_encoded(enc, n, fmt, B)
+    dec = quant.dequantize(enc, n, fmt=fmt, block_size=B, backend=cpu_path)
     bad = kinds["nan"] + kinds["+inf"] + kinds["-inf"] + kinds["nan+inf"]
     for b in range(scales.numel()):
         sl = slice(b * B, min(n, (b + 1) * B))
@@ -303,13 +303,13 @@ def test_non_finite_and_tiny_blocks(cpu_path, fmt, B):
             assert torch.isfinite(dec[sl]).all(), b
     z = kinds["zero"][0]  # rule 4
     assert scales[z] == 0 and (dec[z * B:(z + 1) * B] == 0).all()
-    qmax = kernels.QMAX[fmt]
+    qmax = quant.QMAX[fmt]
     for kind in ("tiny", "subnormal"):  # rule 3: encoded as if of normal size
         b = kinds[kind][0]
         blk = x[b * B:(b + 1) * B]
         # NOTE: * 2^100 is exact (subnormals included) and lands in the normal range
-        big = kernels.quantize(blk * 2.0 ** 100, fmt=fmt, block_size=B, backend="torch")
-        p_big, _ = kernels.split_encoded(big, B, fmt, B)
+        big = quant.quantize(blk * 2.0 ** 100, fmt=fmt, block_size=B, backend="torch")
+        p_big, _ = quant.split_encoded(big, B, fmt, B)
         assert torch.equal(payload[b * B:(b + 1) * B].view(torch.uint8), p_big.view(torch.uint8)), kind
         amax = blk.abs().max().double()
         assert scales[b] == (amax / qmax).float() and scales[b] > 0, kind  # kept subnormal, not 0
@@ -319,17 +319,17 @@ def test_non_finite_and_tiny_blocks(cpu_path, fmt, B):
     # error feedback: residual = y - decoded, NaN on the non-finite blocks
     r = torch.zeros_like(x)
     y = x + r  # NOTE: -0.0 + 0.0 is +0.0, which fp8 encodes differently from -0.0
-    enc_ef = kernels.quantize_error_feedback(x, r, fmt=fmt, block_size=B, backend=cpu_path)
-    assert torch.equal(enc_ef, kernels.quantize(y, fmt=fmt, block_size=B, backend="torch"))
-    dec_y = kernels.dequantize(enc_ef, n, fmt=fmt, block_size=B, backend="torch")
+    enc_ef = quant.quantize_error_feedback(x, r, fmt=fmt, block_size=B, backend=cpu_path)
+    assert torch.equal(enc_ef, quant.quantize(y, fmt=fmt, block_size=B, backend="torch"))
+    dec_y = quant.dequantize(enc_ef, n, fmt=fmt, block_size=B, backend="torch")
     for b in range(scales.numel()):
         sl = slice(b * B, min(n, (b + 1) * B))
         assert (r[sl].isnan().all() if b in bad else torch.equal(r[sl], y[sl] - dec_y[sl])), b
     # and every path is the reference (the native ones; the torch path is the reference) and the
     # format's definition, bit for bit
     if cpu_path != "torch":
-        assert torch.equal(enc, kernels.quantize(x, fmt=fmt, block_size=B, backend="torch"))
-    check_definition(x, torch.zeros_like(x), enc, dec, kernels.dequantize(enc, n, torch.zeros_like(x), fmt=fmt,
+        assert torch.equal(enc, quant.quantize(x, fmt=fmt, block_size=B, backend="torch"))
+    check_definition(x, torch.zeros_like(x), enc, dec, quant.dequantize(enc, n, torch.zeros_like(x), fmt=fmt,
                      block_size=B, accumulate=True, backend=cpu_path), enc_ef, r, fmt, B)
 
 
@@ -337,7 +337,7 @@ def test_non_finite_and_tiny_blocks(cpu_path, fmt, B):
 @pytest.mark.parametrize("fmt", ["bf16", "fp16"])
 def test_casts_keep_non_finite(cpu_path, fmt):
     x = torch.tensor([float("nan"), float("inf"), float("-inf"), 1e-38, 1e-45, 0.0, -0.0, 1.5] * 5)
-    dec = kernels.dequantize(kernels.quantize(x, fmt=fmt, backend=cpu_path), x.numel(), fmt=fmt,
+    dec = quant.dequantize(quant.quantize(x, fmt=fmt, backend=cpu_path), x.numel(), fmt=fmt,
                              backend=cpu_path)
     expect = x.to(torch.bfloat16 if fmt == "bf16" else torch.float16).float()
     assert same(dec, expect) and dec[0].isnan() and dec[1] == float("inf") and dec[2] == float("-inf")
@@ -351,19 +351,19 @@ def test_misaligned_encoded_buffers_are_rejected():
     ops = torch.ops.flcomm
     x = torch.randn(100)
     for fmt, need in (("int8", 4), ("fp8", 4), ("bf16", 2), ("fp16", 2)):
-        nbytes = kernels.encoded_nbytes(100, fmt, 32)
+        nbytes = quant.encoded_nbytes(100, fmt, 32)
         storage = torch.zeros(nbytes + 16, dtype=torch.uint8)
         for off in range(1, need):
             buf = storage[off: off + nbytes]
             with pytest.raises(ValueError, match=f"{need}-byte aligned address for {fmt}"):
-                kernels.quantize(x, buf, fmt=fmt, block_size=32)
+                quant.quantize(x, buf, fmt=fmt, block_size=32)
             with pytest.raises(RuntimeError, match=f"{need}-byte aligned address for {fmt}"):
                 ops.quantize(x, buf, fmt, 32)
             with pytest.raises(RuntimeError, match=f"{need}-byte aligned address for {fmt}"):
                 ops.dequantize(buf, torch.empty(100), fmt, 32, False)
         buf = storage[need: need + nbytes]
-        kernels.quantize(x, buf, fmt=fmt, block_size=32, backend="native")
-        assert torch.equal(buf, kernels.quantize(x, fmt=fmt, block_size=32, backend="torch"))
+        quant.quantize(x, buf, fmt=fmt, block_size=32, backend="native")
+        assert torch.equal(buf, quant.quantize(x, fmt=fmt, block_size=32, backend="torch"))
 
 
 @needs_native
@@ -373,19 +373,19 @@ def test_unaligned_and_sliced_inputs():
     for off in (1, 3):
         x = base[off:off + 4001]
         for fmt in FORMATS:
-            ref = kernels.quantize(x.clone(), fmt=fmt, backend="torch")
-            got = kernels.quantize(x, fmt=fmt, backend="native")
+            ref = quant.quantize(x.clone(), fmt=fmt, backend="torch")
+            got = quant.quantize(x, fmt=fmt, backend="native")
             assert torch.equal(got, ref), (fmt, off)
             out = torch.empty(4100)[off: off + 4001]
-            kernels.dequantize(ref, 4001, out, fmt=fmt, backend="native")
-            assert torch.equal(out, kernels.dequantize(ref, 4001, fmt=fmt, backend="torch"))
+            quant.dequantize(ref, 4001, out, fmt=fmt, backend="native")
+            assert torch.equal(out, quant.dequantize(ref, 4001, fmt=fmt, backend="torch"))
 
 
 @needs_native
 def test_native_errors_are_clear():
     ops = torch.ops.flcomm
     x = torch.zeros(10)
-    buf = torch.empty(kernels.encoded_nbytes(10, "int8", 4), dtype=torch.uint8)
+    buf = torch.empty(quant.encoded_nbytes(10, "int8", 4), dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="must be one of int8, fp8, bf16, fp16, got 'int4'"):
         ops.quantize(x, buf, "int4", 4)
     with pytest.raises(RuntimeError, match="x must be float32, got Double"):
@@ -399,7 +399,7 @@ def test_native_errors_are_clear():
     with pytest.raises(RuntimeError, match="contiguous"):
         ops.dequantize(buf, torch.zeros(20)[::2], "int8", 4, False)
     with pytest.raises(ValueError, match="backend must be one of auto, native, torch"):
-        kernels.quantize(x, fmt="int8", backend="numpy")
+        quant.quantize(x, fmt="int8", backend="numpy")
 
 
 @pytest.mark.gpu
@@ -412,18 +412,18 @@ def test_cuda_runs_on_the_callers_stream_and_unaligned():
     x = _x(1 << 20, 1.0, 9).cuda()
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
-        buf = kernels.quantize(x, fmt="int8", backend="native")
-        y = kernels.dequantize(buf, x.numel(), fmt="int8", backend="native")
+        buf = quant.quantize(x, fmt="int8", backend="native")
+        y = quant.dequantize(buf, x.numel(), fmt="int8", backend="native")
     s.synchronize()
-    ref = kernels.quantize(x.cpu(), fmt="int8", backend="native")
+    ref = quant.quantize(x.cpu(), fmt="int8", backend="native")
     assert torch.equal(buf.cpu(), ref)
-    assert torch.equal(y.cpu(), kernels.dequantize(ref, x.numel(), fmt="int8", backend="native"))
+    assert torch.equal(y.cpu(), quant.dequantize(ref, x.numel(), fmt="int8", backend="native"))
     for fmt in FORMATS:
         xs = x[1:40001]
         r = torch.zeros(40001, device="cuda")
-        got = kernels.quantize_error_feedback(xs, r, fmt=fmt, block_size=100, backend="native")
+        got = quant.quantize_error_feedback(xs, r, fmt=fmt, block_size=100, backend="native")
         r_ref = torch.zeros(40001)
-        ref = kernels.quantize_error_feedback(xs.cpu(), r_ref, fmt=fmt, block_size=100, backend="native")
+        ref = quant.quantize_error_feedback(xs.cpu(), r_ref, fmt=fmt, block_size=100, backend="native")
         assert torch.equal(got.cpu(), ref) and torch.equal(r.cpu(), r_ref), fmt
 
 
@@ -437,16 +437,16 @@ def test_cuda_non_finite_tiny_and_subnormal_match_cpu(fmt, B):
     n = x.numel()
     for xs in (x, x[1:]):  # also unaligned (scalar CUDA path)
         n = xs.numel()
-        ref = kernels.quantize(xs, fmt=fmt, block_size=B, backend="native")
-        got = kernels.quantize(xs.cuda(), fmt=fmt, block_size=B, backend="native")
+        ref = quant.quantize(xs, fmt=fmt, block_size=B, backend="native")
+        got = quant.quantize(xs.cuda(), fmt=fmt, block_size=B, backend="native")
         assert torch.equal(got.cpu(), ref), ("quantize", fmt, B, n)
-        d_ref = kernels.dequantize(ref, n, fmt=fmt, block_size=B, backend="native")
-        d_got = kernels.dequantize(ref.cuda(), n, fmt=fmt, block_size=B, backend="native")
+        d_ref = quant.dequantize(ref, n, fmt=fmt, block_size=B, backend="native")
+        d_got = quant.dequantize(ref.cuda(), n, fmt=fmt, block_size=B, backend="native")
         assert same(d_got.cpu(), d_ref), ("dequantize", fmt, B, n)
         r_ref = torch.full((n,), 1e-39)
         r_got = r_ref.cuda()
-        e_ref = kernels.quantize_error_feedback(xs, r_ref, fmt=fmt, block_size=B, backend="native")
-        e_got = kernels.quantize_error_feedback(xs.cuda(), r_got, fmt=fmt, block_size=B, backend="native")
+        e_ref = quant.quantize_error_feedback(xs, r_ref, fmt=fmt, block_size=B, backend="native")
+        e_got = quant.quantize_error_feedback(xs.cuda(), r_got, fmt=fmt, block_size=B, backend="native")
         assert torch.equal(e_got.cpu(), e_ref) and same(r_got.cpu(), r_ref), ("error feedback", fmt, B, n)
         # subnormal residuals survive (no flush to zero): the CPU keeps some, so must the GPU
         sub = (r_ref != 0) & (r_ref.abs() < torch.finfo(torch.float32).tiny)
@@ -456,10 +456,10 @@ def test_cuda_non_finite_tiny_and_subnormal_match_cpu(fmt, B):
 @pytest.mark.gpu
 def test_cuda_misaligned_buffer_is_rejected_not_a_sticky_error():
     x = torch.randn(1000, device="cuda")
-    nbytes = kernels.encoded_nbytes(1000, "int8", 256)
+    nbytes = quant.encoded_nbytes(1000, "int8", 256)
     buf = torch.zeros(nbytes + 16, dtype=torch.uint8, device="cuda")[1: 1 + nbytes]
     with pytest.raises(RuntimeError, match="4-byte aligned address"):
         torch.ops.flcomm.quantize(x, buf, "int8", 256)
     torch.cuda.synchronize()  # the context is still healthy
-    assert kernels.quantize(x, fmt="int8", backend="native").is_cuda
+    assert quant.quantize(x, fmt="int8", backend="native").is_cuda
 

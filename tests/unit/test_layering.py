@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-from tests.common.imports import ROOT, import_cycles, imports_of, is_module, module_name
+from tests.common.imports import ROOT, SHIMS, import_cycles, imports_of, is_module, module_name
 
 PKG = ROOT / "flcomm"
 
@@ -22,14 +22,16 @@ ALLOWED: dict[str, set[str]] = {
     "_native": {"enums"},
     "info": {"_native", "enums"},
     "comm": {"_native", "info", "enums"},
-    "kernels": {"_native", "enums"},
-    "sparse": {"kernels", "_native", "enums"},  # NOTE: the sparse kernels, beside the quantization ones
-    "codecs": {"kernels", "sparse", "_native", "enums"},
-    "apply": {"kernels", "_native", "enums"},  # NOTE: the exchange's fused apply, beside the codec kernels
-    "collectives": {"comm", "codecs", "kernels", "_native", "enums", "info"},
-    "fsdp": {"collectives", "comm", "codecs", "kernels", "_native", "enums", "info"},
-    "federated": {"collectives", "comm", "codecs", "kernels", "apply", "_native", "enums", "info"},
-    "costmodel": {"federated", "comm", "codecs", "kernels", "_native", "enums", "info"},
+    "ops": {"_native", "enums"},  # NOTE: the wrappers of csrc/ (quant, topk, apply)
+    # NOTE: the deprecated names of ops.quant, ops.topk and ops.apply (one release); see SHIMS
+    "kernels": {"ops"},
+    "sparse": {"ops"},
+    "apply": {"ops"},
+    "codecs": {"ops", "_native", "enums"},
+    "collectives": {"comm", "codecs", "ops", "_native", "enums", "info"},
+    "fsdp": {"collectives", "comm", "codecs", "ops", "_native", "enums", "info"},
+    "federated": {"collectives", "comm", "codecs", "ops", "_native", "enums", "info"},
+    "costmodel": {"federated", "comm", "codecs", "ops", "_native", "enums", "info"},
     "__main__": {"info", "_native", "enums", "comm"},  # NOTE: `python -m flcomm info` names the transports
     "__init__": {"info", "_native", "enums"},
     "train": None,  # everything
@@ -52,13 +54,13 @@ def test_every_module_has_a_layer():
     assert not missing, f"modules in layers the rules do not name: {missing}"
 
 
-@pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_imports_go_down(path: pathlib.Path):
-    me = module_name(path)
+def _upward_imports(path: pathlib.Path, me: str) -> tuple[list[str], set[str] | None]:
+    """The flcomm imports of ``path`` (module ``me``) that its layer may not make, and what the
+    layer may import (None: everything)."""
     layer = _layer(me)
     allowed = ALLOWED[layer]
     if allowed is None:
-        return
+        return [], None
     allowed = allowed | {"enums", "_lazy", "validate"}
     bad = []
     for imp in sorted(imports_of(path)):
@@ -67,7 +69,34 @@ def test_imports_go_down(path: pathlib.Path):
         other = _layer(imp)
         if other != layer and other not in allowed:
             bad.append(imp)
-    assert not bad, f"{me} (layer {layer!r}) imports {bad}; {layer!r} may import only {sorted(allowed)}"
+    return bad, allowed
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_go_down(path: pathlib.Path):
+    me = module_name(path)
+    bad, allowed = _upward_imports(path, me)
+    assert not bad, f"{me} (layer {_layer(me)!r}) imports {bad}; it may import only {sorted(allowed)}"
+
+
+def test_an_upward_import_is_found(tmp_path: pathlib.Path):
+    """The rule check itself fails on a violation: a kernel wrapper that reaches up to the
+    collectives, and a collective that reaches up to FedAvg (a lazy import)."""
+    src = tmp_path / "m.py"
+    src.write_text("from flcomm.collectives import bucketing\n")
+    assert _upward_imports(src, "flcomm.ops.quant")[0] == ["flcomm.collectives.bucketing"]
+    src.write_text("def f():\n    from flcomm.federated.fedavg import FedAvg\n")
+    assert _upward_imports(src, "flcomm.collectives.bucketing")[0] == ["flcomm.federated.fedavg"]
+    assert _upward_imports(src, "flcomm.train.loop")[0] == []
+
+
+def test_nothing_imports_the_deprecated_modules():
+    """flcomm, its tests, benchmarks, examples and tools import the new names (flcomm.ops.*),
+    never the shims kept for users (tests/unit/test_exports.py imports those by their name)."""
+    paths = [p for d in ("flcomm", "tests", "bench", "examples", "tools") for p in sorted((ROOT / d).rglob("*.py"))]
+    users = {module_name(p): sorted(set(SHIMS) & imports_of(p)) for p in paths if module_name(p) not in SHIMS}
+    users = {m: s for m, s in users.items() if s}
+    assert not users, f"modules that import a deprecated module (import flcomm.ops.* instead): {users}"
 
 
 def _import_time_closure(module: str) -> set[str]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flcomm.train.model import (
-    PRESETS,
+    MODEL_PRESETS,
     Attention,
     ModelConfig,
     RMSNorm,
@@ -226,8 +226,8 @@ def test_big_presets_on_meta_device(name, expected):
 
 
 def test_presets_sizes_and_config_errors():
-    assert 0.5e6 < PRESETS["tiny"].num_params() < 1.5e6
-    assert PRESETS["llama3.1-8b"].n_kv_heads == 8 and PRESETS["llama3.1-8b"].ffn_dim == 14336
+    assert 0.5e6 < MODEL_PRESETS["tiny"].num_params() < 1.5e6
+    assert MODEL_PRESETS["llama3.1-8b"].n_kv_heads == 8 and MODEL_PRESETS["llama3.1-8b"].ffn_dim == 14336
     assert get_config("tiny", vocab_size=512).vocab_size == 512
     with pytest.raises(ValueError, match="unknown model preset 'nope'"):
         get_config("nope")

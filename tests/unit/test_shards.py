@@ -1,5 +1,5 @@
 """federated/shards.py on plain modules (the FSDP kinds are covered by tests/dist/test_fedavg*.py):
-which tensors are averaged, in which order, and the fingerprint that compares fed peers."""
+which tensors are averaged, in which order, and the fingerprint that compares shard peers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The sparse top-k kernels (flcomm.sparse: native CPU and the plain-torch reference) against the
+"""The sparse top-k kernels (flcomm.ops.topk: native CPU and the plain-torch reference) against the
 format written from its definition (tests/common/topk_ref.py, no flcomm code): every byte of
 the encoding, the decoded and accumulated values and the error-feedback residual, bit for bit,
 over block sizes, densities, bit widths, partial blocks and special values; the codec's names
@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flcomm import kernels, sparse
 from flcomm.codecs import TopKCodec, get_codec
+from flcomm.ops import quant, topk
 from tests.common import topk_ref
 
-NATIVE = kernels.native_supports("cpu", sparse.OPS)
+NATIVE = quant.native_supports("cpu", topk.OPS)
 BACKENDS = ["torch", "native"] if NATIVE else ["torch"]
 
 # (n, block, k, bits)
@@ -44,9 +44,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("n,block,k,bits", GRID)
 def test_encoding_is_the_definitions_byte_for_byte(backend, n, block, k, bits):
     x = _input(n, n + k)
-    got = sparse.topk_encode(x, block=block, k=k, bits=bits, backend=backend)
+    got = topk.topk_encode(x, block=block, k=k, bits=bits, backend=backend)
     want = topk_ref.encode(x, block, k, bits)
-    assert got.numel() == sparse.encoded_nbytes(n, block, k, bits) == topk_ref.nbytes(n, block, k, bits)
+    assert got.numel() == topk.encoded_nbytes(n, block, k, bits) == topk_ref.nbytes(n, block, k, bits)
     assert _same(got, want), (got != want).nonzero()[:8].flatten().tolist()
 
 
@@ -57,19 +57,19 @@ def test_decode_accumulate_and_error_feedback_are_the_definitions(backend, n, bl
     r = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 0.3
     buf = topk_ref.encode(x, block, k, bits)
     want = topk_ref.round_trip(x, block, k, bits)
-    assert _same(sparse.topk_decode(buf, n, block=block, k=k, bits=bits, backend=backend), want)
+    assert _same(topk.topk_decode(buf, n, block=block, k=k, bits=bits, backend=backend), want)
     acc = torch.randn(n)
     base = acc.clone()
-    sparse.topk_decode(buf, n, acc, block=block, k=k, bits=bits, accumulate=True, backend=backend)
+    topk.topk_decode(buf, n, acc, block=block, k=k, bits=bits, accumulate=True, backend=backend)
     kept = want != 0
     assert _same(acc[~kept], base[~kept])  # NOTE: what is not kept is not touched, not even + 0
     assert _same(acc[kept], base[kept] + want[kept])
     res = r.clone()
-    enc = sparse.topk_encode(x, block=block, k=k, bits=bits, residual=res, backend=backend)
+    enc = topk.topk_encode(x, block=block, k=k, bits=bits, residual=res, backend=backend)
     d_want, r_want = topk_ref.error_feedback(x, r, block, k, bits)
     assert _same(enc, topk_ref.encode(x + r, block, k, bits))
     assert _same(res, r_want)
-    assert _same(sparse.topk_decode(enc, n, block=block, k=k, bits=bits, backend=backend), d_want)
+    assert _same(topk.topk_decode(enc, n, block=block, k=k, bits=bits, backend=backend), d_want)
 
 
 # NOTE: ties that straddle k (review F3): per block, 3 values above the tie level, then 12 values
@@ -97,12 +97,12 @@ def _straddling_ties(blocks: int, seed: int) -> tuple[torch.Tensor, list[int]]:
 def test_ties_that_straddle_k_keep_the_lower_indices(backend, bits):
     x, keep = _straddling_ties(blocks=3, seed=11 + bits)
     n = x.numel()
-    got = sparse.topk_encode(x, block=TIE_BLOCK, k=TIE_K, bits=bits, backend=backend)
+    got = topk.topk_encode(x, block=TIE_BLOCK, k=TIE_K, bits=bits, backend=backend)
     assert _same(got, topk_ref.encode(x, TIE_BLOCK, TIE_K, bits))
-    dec = sparse.topk_decode(got, n, block=TIE_BLOCK, k=TIE_K, bits=bits, backend=backend)
+    dec = topk.topk_decode(got, n, block=TIE_BLOCK, k=TIE_K, bits=bits, backend=backend)
     assert dec.nonzero().flatten().tolist() == keep
     res = torch.zeros(n)
-    sparse.topk_encode(x, block=TIE_BLOCK, k=TIE_K, bits=bits, residual=res, backend=backend)
+    topk.topk_encode(x, block=TIE_BLOCK, k=TIE_K, bits=bits, residual=res, backend=backend)
     _, r_want = topk_ref.error_feedback(x, torch.zeros(n), TIE_BLOCK, TIE_K, bits)
     assert _same(res, r_want)
     dropped = [i for i in range(n) if abs(float(x[i])) == 2.0 and i not in set(keep)]
@@ -116,14 +116,14 @@ def test_non_finite_blocks_decode_as_nan_and_keep_nan_residuals(backend):
     x[5] = float("nan")
     x[block + 9] = float("inf")
     x[2 * block + 1] = float("-inf")
-    got = sparse.topk_encode(x, block=block, k=k, bits=bits, backend=backend)
+    got = topk.topk_encode(x, block=block, k=k, bits=bits, backend=backend)
     assert _same(got, topk_ref.encode(x, block, k, bits))
-    d = sparse.topk_decode(got, x.numel(), block=block, k=k, bits=bits, backend=backend)
+    d = topk.topk_decode(got, x.numel(), block=block, k=k, bits=bits, backend=backend)
     for b in range(3):
         assert d[b * block:(b + 1) * block].isnan().sum() == k  # the kept ones, NaN included
     assert torch.isfinite(d[3 * block:]).all() and (d[3 * block:] != 0).sum() == k
     res = torch.zeros_like(x)
-    sparse.topk_encode(x, block=block, k=k, bits=bits, residual=res, backend=backend)
+    topk.topk_encode(x, block=block, k=k, bits=bits, residual=res, backend=backend)
     assert res[:3 * block].isnan().sum() == 3 * k and torch.isfinite(res[3 * block:]).all()
 
 
@@ -134,7 +134,7 @@ def test_a_non_finite_blocks_residual_is_torchs_nan_whatever_the_nan(backend):
     x = torch.randn(64)
     x.view(torch.int32)[3] = -0x00400001  # NOTE: 0xffbfffff: a negative NaN with a payload
     res = torch.zeros_like(x)
-    sparse.topk_encode(x, block=64, k=4, bits=2, residual=res, backend=backend)
+    topk.topk_encode(x, block=64, k=4, bits=2, residual=res, backend=backend)
     kept = res.isnan()
     assert kept.sum() == 4 and bool((res.view(torch.int32)[kept] == 0x7FC00000).all())
 
@@ -143,11 +143,11 @@ def test_a_non_finite_blocks_residual_is_torchs_nan_whatever_the_nan(backend):
 def test_decode_skips_an_index_past_the_block(backend):
     """A hand-made buffer whose index points past a partial last block writes nothing there."""
     n, block, k, bits = 70, 64, 2, 4
-    buf = sparse.topk_encode(torch.ones(n), block=block, k=k, bits=bits, backend="torch")
+    buf = topk.topk_encode(torch.ones(n), block=block, k=k, bits=bits, backend="torch")
     idx = buf[topk_ref.nbytes(n, block, 0, bits):].view(torch.int16)  # NOTE: past the scales: the indices
     idx[k + 1] = 40  # block 1 has 6 elements
     out = torch.full((n,), 7.0)
-    sparse.topk_decode(buf, n, out, block=block, k=k, bits=bits, accumulate=True, backend=backend)
+    topk.topk_decode(buf, n, out, block=block, k=k, bits=bits, accumulate=True, backend=backend)
     assert (out[64:] != 7.0).sum() == 1 and (out[:64] != 7.0).sum() == 2
 
 
@@ -158,8 +158,8 @@ def test_native_matches_the_reference_on_a_large_input():
     for block, k, bits in [(4096, 82, 2), (65536, 655, 4)]:
         r1, r2 = torch.randn_like(x), None
         r2 = r1.clone()
-        a = sparse.topk_encode(x, block=block, k=k, bits=bits, residual=r1, backend="native")
-        b = sparse.topk_encode(x, block=block, k=k, bits=bits, residual=r2, backend="torch")
+        a = topk.topk_encode(x, block=block, k=k, bits=bits, residual=r1, backend="native")
+        b = topk.topk_encode(x, block=block, k=k, bits=bits, residual=r2, backend="torch")
         assert _same(a, b) and _same(r1, r2)
 
 
@@ -204,26 +204,26 @@ def test_bad_codec_options_are_refused_naming_them(spec, match):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_buffers_are_refused_before_any_work(backend):
     x = torch.randn(100)
-    n = sparse.encoded_nbytes(100, 64, 4, 2)
+    n = topk.encoded_nbytes(100, 64, 4, 2)
     with pytest.raises(ValueError, match=f"exactly {n} bytes"):
-        sparse.topk_encode(x, torch.empty(n + 1, dtype=torch.uint8), block=64, k=4, bits=2, backend=backend)
+        topk.topk_encode(x, torch.empty(n + 1, dtype=torch.uint8), block=64, k=4, bits=2, backend=backend)
     with pytest.raises(ValueError, match="4-byte aligned"):
-        sparse.topk_encode(x, torch.empty(n + 1, dtype=torch.uint8)[1:], block=64, k=4, bits=2, backend=backend)
+        topk.topk_encode(x, torch.empty(n + 1, dtype=torch.uint8)[1:], block=64, k=4, bits=2, backend=backend)
     with pytest.raises(TypeError, match="float32"):
-        sparse.topk_encode(x.double(), block=64, k=4, bits=2, backend=backend)
+        topk.topk_encode(x.double(), block=64, k=4, bits=2, backend=backend)
     with pytest.raises(ValueError, match="residual must have 100"):
-        sparse.topk_encode(x, block=64, k=4, bits=2, residual=torch.zeros(99), backend=backend)
+        topk.topk_encode(x, block=64, k=4, bits=2, residual=torch.zeros(99), backend=backend)
     with pytest.raises(ValueError, match="accumulate=True needs"):
-        sparse.topk_decode(torch.zeros(n, dtype=torch.uint8), 100, block=64, k=4, bits=2, accumulate=True)
+        topk.topk_decode(torch.zeros(n, dtype=torch.uint8), 100, block=64, k=4, bits=2, accumulate=True)
 
 
 @pytest.mark.skipif(not NATIVE, reason="flcomm._C is not built with the sparse kernels")
 def test_the_native_operator_checks_its_arguments_too():
-    """Called directly (not through flcomm.sparse), the operator names what it expected."""
+    """Called directly (not through flcomm.ops.topk), the operator names what it expected."""
     from flcomm import _native
 
     x = torch.randn(100)
-    out = torch.empty(sparse.encoded_nbytes(100, 64, 4, 2), dtype=torch.uint8)
+    out = torch.empty(topk.encoded_nbytes(100, 64, 4, 2), dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="bits must be 2, 4 or 8, got 3"):
         _native.ops().topk_encode(x, None, out, 64, 4, 3)
     with pytest.raises(RuntimeError, match="must hold"):
