@@ -37,6 +37,7 @@ from flcomm.costmodel.search import (
     crossover_sync_every,
     recommend,
 )
+from flcomm.costmodel.stragglers import PacingPrediction, expected_lateness, predict_pacing
 
 
 def _on_first_use(name: str):
@@ -57,9 +58,9 @@ __getattr__ = renamed_attributes(__name__, {"PRESETS": "CLUSTER_PRESETS"}, then=
 
 
 __all__ = [
-    "CLUSTER_PRESETS", "GBIT", "Assumption", "Cluster", "Crossover", "Link", "Plan", "Prediction", "Recommendation",
-    "Strategy", "Workload", "assumptions", "codec_nbytes", "collective_time", "compute_time_from_flops",
-    "crossover_bandwidth_ratio", "crossover_sync_every", "estimate_activation_bytes", "estimate_blocks",
-    "fedavg_shard_copies", "main", "memory_per_rank", "measure_tiers", "parse_bandwidth", "predict",
-    "predict_strategies", "recommend", "speedup",
+    "Assumption", "CLUSTER_PRESETS", "Cluster", "Crossover", "GBIT", "Link", "PacingPrediction", "Plan",
+    "Prediction", "Recommendation", "Strategy", "Workload", "assumptions", "codec_nbytes", "collective_time",
+    "compute_time_from_flops", "crossover_bandwidth_ratio", "crossover_sync_every", "estimate_activation_bytes",
+    "estimate_blocks", "expected_lateness", "fedavg_shard_copies", "main", "measure_tiers", "memory_per_rank",
+    "parse_bandwidth", "predict", "predict_pacing", "predict_strategies", "recommend", "speedup",
 ]
