@@ -325,6 +325,7 @@ class FedAvg:
             if not self.config.overlap:
                 self._apply(fr)
             did = True
+        self.schedule.step_ended()
         return did
 
     @property

@@ -16,9 +16,10 @@ By time (``sync_period_s`` = T), the rule, as :class:`TimedSchedule` and the exc
    boundary where any of its ranks has passed the deadline; at most one event per boundary
    (a group that fell more than one period behind, e.g. paused by an evaluation, catches up one
    event per step). ``n`` defaults to 1 per rank: the group's tokens are then its steps times
-   its ranks. The same all-reduce carries each rank's step time: once a group's mean step
-   (from its third step on; the first ones carry one-time costs) is longer than T / K, all of
-   its ranks raise ValueError naming both numbers.
+   its ranks. The same all-reduce carries each rank's step time (from the end of its last
+   ``FedAvg.step()``: syncs left out): once the median of the group's mean step over its last 5
+   steps (from its third step on; the first ones carry one-time costs) is longer than T / K,
+   all of its ranks raise ValueError naming both numbers.
 4. Each fragment counts the group's tokens t_g and local steps since its last sync. Its
    exchange first sums both per group over the fed dim (exact, int64, in the exchange's job),
    then weighs the group's delta by ``F t_g / sum(t)`` before the codec (error feedback keeps
@@ -38,6 +39,7 @@ part, their tokens, steps and staleness (0: every group takes part in every roun
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = ["RoundRecord", "StepSchedule", "TimedSchedule", "check_period"]
 
 WARM_STEPS = 3  # the step time is judged from this boundary on (the first steps carry one-time costs)
+RECENT = 5  # ... as the median of the group's mean step at this many last boundaries
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,9 @@ class StepSchedule:
     def _at(self, step: int) -> list[int]:
         return [f for f in range(self.fragments) if (step - self.offset(f)) % self.sync_every == 0]
 
+    def step_ended(self) -> None:
+        """By steps no step is timed."""
+
     def hand(self, fragment: Fragment) -> None:
         """By steps a fragment's round is not weighted."""
 
@@ -128,7 +134,8 @@ class TimedSchedule:
         self.tokens = [0] * fragments  # the group's tokens and steps since each fragment's last sync
         self.steps = [0] * fragments
         self.rounds: list[RoundRecord] = []  # applied rounds
-        self._last: float | None = None  # the clock at the last boundary
+        self._ended: float | None = None  # the clock at the end of the last FedAvg.step()
+        self._recent: list[float] = []  # the group's mean step, at the last RECENT boundaries
         self._seen = 0  # boundaries seen
 
     def agree_start(self, group: Transport, fed: Transport | None, device: torch.device) -> None:
@@ -150,16 +157,18 @@ class TimedSchedule:
         """Step 3 at a step boundary: count the group's ``tokens`` (this rank's for the step) and
         the step, and return the fragment that starts here (at most one)."""
         now = self.clock()
-        step_us = 0 if self._last is None else round((now - self._last) * 1e6)
-        self._last = now
+        # NOTE: the step's own time, from the end of the last FedAvg.step() (its syncs left out)
+        step_us = 0 if self._ended is None else round((now - self._ended) * 1e6)
         assert self.group is not None, "agree_start() first"
         mine = [int(now >= self.deadline(self.events + 1)), tokens, step_us]
         t = torch.tensor(mine, dtype=torch.int64, device=self.device)
         self.group.all_reduce(t, op="sum")
         passed, group_tokens, group_us = t.tolist()
         self._seen += 1
-        if self._seen >= WARM_STEPS:
-            check_period(self.period_s / self.fragments, group_us / 1e6 / self.group.size)
+        if self._ended is not None:
+            self._recent = [*self._recent[-(RECENT - 1):], group_us / 1e6 / self.group.size]
+        if self._seen >= WARM_STEPS and self._recent:
+            check_period(self.period_s / self.fragments, statistics.median(self._recent))
         for f in range(self.fragments):
             self.tokens[f] += group_tokens
             self.steps[f] += 1
@@ -167,6 +176,10 @@ class TimedSchedule:
             return []
         self.events += 1
         return [(self.events - 1) % self.fragments]
+
+    def step_ended(self) -> None:
+        """``FedAvg.step()`` returns: the next step's time counts from here."""
+        self._ended = self.clock()
 
     def hand(self, fragment: Fragment) -> None:
         """Give the fragment that starts now (step 4) the group's (tokens, steps) since its last
