@@ -91,6 +91,19 @@ def _tensor(m: nn.Module, name: str) -> Tensor:
     return dict(m.named_buffers())[name]
 
 
+def runs_of(names: list[str], sizes: list[int], fragments: int) -> list[list[str]]:
+    """The fragments: contiguous runs of tensors, run j ending at the first tensor where the
+    running size reaches (j+1)/K of the total."""
+    total, runs, start, cum = sum(sizes), [], 0, 0
+    for i, n in enumerate(sizes):
+        cum += n
+        while len(runs) < fragments - 1 and cum * fragments >= (len(runs) + 1) * total:
+            runs.append(names[start:i + 1])
+            start = i + 1
+    runs.append(names[start:])
+    return runs
+
+
 def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 1e-2,
              outer: str = "avg", outer_lr: float = 0.7, outer_momentum: float = 0.9,
              inner_state: str = "keep", overlap: bool = False, overlap_steps: int = 1, seed: int = 0,
@@ -127,13 +140,7 @@ def simulate(F: int, G: int, E: int, T: int, *, opt: str = "adamw", lr: float = 
     outer_opt = (torch.optim.SGD(gparams, lr=outer_lr, momentum=outer_momentum, nesterov=True)
                  if outer == "nesterov" else None)
     sizes = [_tensor(models[0], n).numel() for n in names]
-    total, runs, start, cum = sum(sizes), [], 0, 0
-    for i, n in enumerate(sizes):
-        cum += n
-        while len(runs) < fragments - 1 and cum * fragments >= (len(runs) + 1) * total:
-            runs.append(names[start:i + 1])
-            start = i + 1
-    runs.append(names[start:])
+    runs = runs_of(names, sizes, fragments)
     assert len(runs) == fragments and all(runs), (runs, sizes)
     pending: dict[int, tuple[dict, int]] = {}  # overlap: fragment -> (result, step to apply at)
 

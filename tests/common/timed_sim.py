@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from tests.common.fedavg_sim import _tensor, averaged_names, batch, loss_fn, make_model, make_opt
+from tests.common.fedavg_sim import _tensor, averaged_names, batch, loss_fn, make_model, make_opt, runs_of
 
 
 def event_steps(step_s: list[float], period: float, fragments: int, events: int) -> list[list[int]]:
@@ -43,18 +43,6 @@ def event_steps(step_s: list[float], period: float, fragments: int, events: int)
 def default_tokens(f: int, i: int, n: int) -> int:
     """Rank i of group f's tokens at its step n: uneven, so the weights are not the steps'."""
     return 1 + (f + 2 * i + n) % 3
-
-
-def runs_of(names: list[str], sizes: list[int], fragments: int) -> list[list[str]]:
-    """The fragments: contiguous runs of tensors of about equal size (fedavg_sim.simulate's rule)."""
-    total, runs, start, cum = sum(sizes), [], 0, 0
-    for i, n in enumerate(sizes):
-        cum += n
-        while len(runs) < fragments - 1 and cum * fragments >= (len(runs) + 1) * total:
-            runs.append(names[start:i + 1])
-            start = i + 1
-    runs.append(names[start:])
-    return runs
 
 
 def simulate_timed(F: int, G: int, step_s: list[float], period: float, events: int, *, fragments: int = 1,
