@@ -254,7 +254,7 @@ class FedAvg:
         for f, part in enumerate(parts):
             at_sync = [self._local_at_sync[i] for i in part] if self._local_at_sync is not None else None
             self._frags.append(Fragment(
-                f, f * cfg.sync_every // cfg.fragments, part, [self.slots[i] for i in part], at_sync, links,
+                f, part, [self.slots[i] for i in part], at_sync, links,
                 name_index=cfg.fragments > 1,
                 local_at_sync_span=span(at_sync) if at_sync is not None and cfg.offload is None else None,
                 on_measured=self._measured, settle=self._settle if elastic else None))

@@ -89,16 +89,16 @@ class Links:
 
 class Fragment:
     """The averaged tensors ``slots`` (:class:`~flcomm.federated.shards.AveragedTensor`, at
-    ``indices`` among FedAvg's) that sync at the steps with ``(step - offset) % E == 0``;
+    ``indices`` among FedAvg's) that sync when FedAvg's schedule starts fragment ``index``;
     ``local_at_sync``: their copies as of the sync (overlap; then the correction the apply adds),
     else None; ``local_at_sync_span``: those as one view, when on the device and end to end
     (staging.span)."""
 
-    def __init__(self, index: int, offset: int, indices: list[int], slots: list[AveragedTensor],
+    def __init__(self, index: int, indices: list[int], slots: list[AveragedTensor],
                  local_at_sync: list[Tensor] | None, links: Links, *,
                  name_index: bool, local_at_sync_span: Tensor | None, on_measured: Callable[[Job], None],
                  settle: Callable[[Fragment, Job, int], ExchangeResult] | None = None) -> None:
-        self.index, self.offset, self.indices, self.slots = index, offset, indices, slots
+        self.index, self.indices, self.slots = index, indices, slots
         self.local_at_sync = local_at_sync
         self.links = links
         # NOTE: empty shards (FSDP uneven sharding) are left out of the exchange; the shard peers hold
