@@ -133,6 +133,17 @@ def _init(args: argparse.Namespace, rank: int, world: int, local_rank: int, loca
     return Env(rank, world, L, backend, device, timeout)
 
 
+def wait_ranks(procs: list[Any], timeout_s: float) -> list[int]:
+    """The exit codes of the local rank processes ``procs`` (``subprocess.Popen``), each waited
+    up to ``timeout_s``; any still running then (or after an error) is killed."""
+    try:
+        return [p.wait(timeout=timeout_s) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -251,7 +251,7 @@ def _own_argv(a: argparse.Namespace) -> list[str]:
 
 
 def launch_local(a: argparse.Namespace) -> int:
-    from bench.common import free_port
+    from bench.common import free_port, wait_ranks
 
     port = free_port()
     procs = []
@@ -259,13 +259,7 @@ def launch_local(a: argparse.Namespace) -> int:
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(a.nproc), LOCAL_RANK=str(r % a.ranks_per_node),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(_own_argv(a), env=env))
-    try:
-        rcs = [p.wait(timeout=a.timeout + 120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return max(rcs)
+    return max(wait_ranks(procs, a.timeout + 120))
 
 
 def main(argv: list[str] | None = None) -> int:

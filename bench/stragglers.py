@@ -480,7 +480,7 @@ def _worker_argv(a: argparse.Namespace, row: dict[str, Any], out: str) -> list[s
 
 def launch_row(a: argparse.Namespace, row: dict[str, Any], out: str) -> list[dict]:
     """The W ranks of one row as local processes (as bench/overlap.py's ``--nproc``); their records."""
-    from bench.common import free_port
+    from bench.common import free_port, wait_ranks
 
     os.makedirs(out, exist_ok=True)
     port = free_port()
@@ -494,11 +494,8 @@ def launch_row(a: argparse.Namespace, row: dict[str, Any], out: str) -> list[dic
         procs.append(subprocess.Popen(_worker_argv(a, row, out), env=env, cwd=ROOT, stdout=log,
                                       stderr=subprocess.STDOUT))
     try:
-        rcs = [p.wait(timeout=a.timeout + 120) for p in procs]
+        rcs = wait_ranks(procs, a.timeout + 120)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
         for log in logs:
             log.close()
     if any(rcs):
